@@ -1,0 +1,31 @@
+"""fdl-prepare: get a GPU worker box ready before it dials a training controller.
+
+    from prepare import prepare, print_notes, PrepareSpec, DataSpec, SourceSpec, Prepared, Fail
+
+The library never prints and never exits: `prepare` returns a `Prepared` or
+raises a `Fail` (`.permanent`, `.message`) and appends advisory lines to the
+caller's `notes`; only `print_notes` and the CLI write anything.
+"""
+
+from __future__ import annotations
+
+from prepare.fail import Fail
+from prepare.notes import print_notes
+from prepare.pipeline import prepare
+from prepare.spec import Binary, DataSpec, Libtorch, Prepared, PrepareSpec, SourceSpec, SshSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Binary",
+    "DataSpec",
+    "Fail",
+    "Libtorch",
+    "PrepareSpec",
+    "Prepared",
+    "SourceSpec",
+    "SshSpec",
+    "__version__",
+    "prepare",
+    "print_notes",
+]

@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import TextIO
+
+
+def print_notes(command: str, notes: Iterable[str], file: TextIO | None = None) -> None:
+    """Write advisory lines to stderr, each under the calling command's name,
+    so a journal grep for the command finds them."""
+    out = file if file is not None else sys.stderr
+    for note in notes:
+        print(f"{command}: {note}", file=out)
+    out.flush()

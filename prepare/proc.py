@@ -1,0 +1,133 @@
+"""The one place that starts subprocesses.
+
+Every step that runs a program (sshfs, ls on a network mount, nix) goes
+through `run`, so timeouts, missing executables and interruption behave the
+same everywhere, and tests have one seam to reason about. Built on `sh`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import sh
+
+
+@dataclass(frozen=True)
+class Completed:
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class Missing(Exception):
+    """The executable is not on PATH (or the given path does not exist)."""
+
+    def __init__(self, program: str) -> None:
+        super().__init__(program)
+        self.program = program
+
+
+class TimedOut(Exception):
+    """The program ran past its timeout and was killed."""
+
+    def __init__(self, argv: Sequence[str], timeout: float, stderr: str) -> None:
+        super().__init__(f"{argv[0]} timed out after {timeout:g}s")
+        self.argv = tuple(argv)
+        self.timeout = timeout
+        self.stderr = stderr
+
+
+def which(program: str, path: str | None = None) -> str | None:
+    return shutil.which(program, path=path)
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    stdin: str | None = None,
+    on_stderr_line: Callable[[str], None] | None = None,
+) -> Completed:
+    """Run `argv` to completion and return its exit status and output.
+
+    A non-zero exit is not an exception: callers classify failures from what
+    the program said, not from its exit code alone. `on_stderr_line` sees each
+    stderr line as it arrives (nix's internal-json progress). If the caller is
+    interrupted (SIGINT, SIGTERM turned into an exception), the child is
+    terminated before the exception propagates, so nothing keeps running in
+    the background of a process that has given up.
+    """
+    argv = [os.fspath(a) for a in argv]
+    program = argv[0]
+    search_path = (env or os.environ).get("PATH")
+    resolved = program if os.sep in program else which(program, path=search_path)
+    if resolved is None or not os.path.exists(resolved):
+        raise Missing(program)
+
+    err_lines: list[str] = []
+
+    def take_err(line: str) -> None:
+        err_lines.append(line)
+        if on_stderr_line is not None:
+            on_stderr_line(line.rstrip("\n"))
+
+    try:
+        command = sh.Command(resolved)
+    except sh.CommandNotFound:
+        raise Missing(program) from None
+    running = command(
+        *argv[1:],
+        _bg=True,
+        _bg_exc=False,
+        _ok_code=list(range(256)),
+        _env=dict(env) if env is not None else None,
+        _cwd=cwd,
+        _in=stdin,
+        _err=take_err,
+        _timeout=timeout,
+        _timeout_signal=signal.SIGKILL,
+        _decode_errors="replace",
+        _return_cmd=True,
+    )
+    try:
+        running.wait()
+    except sh.TimeoutException:
+        raise TimedOut(argv, timeout or 0.0, "".join(err_lines)) from None
+    except sh.SignalException as died:
+        # Killed by a signal from outside (OOM killer, an operator): report it
+        # as the shell would, 128 + signal number.
+        return Completed(tuple(argv), 128 + abs(died.exit_code), _text(died.stdout), "".join(err_lines))
+    except BaseException:
+        _stop(running)
+        raise
+    return Completed(tuple(argv), running.exit_code, _text(running.stdout), "".join(err_lines))
+
+
+def _text(data: bytes | str | None) -> str:
+    if data is None:
+        return ""
+    if isinstance(data, bytes):
+        return data.decode("utf-8", "replace")
+    return data
+
+
+def _stop(running: sh.RunningCommand) -> None:
+    try:
+        running.terminate()
+        running.wait(timeout=10)
+    except Exception:
+        try:
+            running.kill()
+        except Exception:
+            pass

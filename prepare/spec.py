@@ -1,0 +1,104 @@
+"""What a caller asks for (`PrepareSpec`) and what it gets back (`Prepared`).
+
+Plain frozen dataclasses: a join loop builds a spec once and calls `prepare`
+on every attempt, so nothing here may carry state between attempts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """The dataset source root. Nothing set: ship nothing, check nothing.
+    `data_path` alone: a root provisioning already placed. `data_source`:
+    an `sshfs://[user@]host[:port]/abs/path` mounted read-only at `data_path`
+    (default `/flodl/data`)."""
+
+    data_path: str | None = None
+    data_source: str | None = None
+
+
+@dataclass(frozen=True)
+class SshSpec:
+    """The box's ssh block. Its `options` go first on every ssh/sshfs argv:
+    OpenSSH keeps the first value it sees, so the operator's choices win."""
+
+    target: str | None = None
+    port: int | None = None
+    user: str | None = None
+    identity_file: str | None = None
+    options: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """The box's own recipe for the training source (`[join.source]`).
+    A published run manifest (`.fdl-run.toml`) in the fetched tree outranks
+    every field it sets; a field it omits keeps the value here."""
+
+    from_: str | None = None  # `from` in TOML; a flake URL
+    cwd: str | None = None
+    build: str | None = None
+    bin: str | None = None
+
+
+@dataclass(frozen=True)
+class PrepareSpec:
+    data: DataSpec = field(default_factory=DataSpec)
+    ssh: SshSpec = field(default_factory=SshSpec)
+    source: SourceSpec | None = None
+    # "auto", a variant label the flake provides ("cpu", "cu128", ...), or None
+    # for no libtorch at all.
+    libtorch: str | None = None
+    # Indices this box offers to the run, applied after CUDA_VISIBLE_DEVICES.
+    devices: tuple[int, ...] | None = None
+    cpu_only: bool = False
+    flake: str | None = None
+    # Where GC roots for built outputs live; None picks a per-user default.
+    state_dir: str | None = None
+    # A dead network mount must not hang prepare: listing the source root
+    # gives up after this many seconds (transient).
+    list_timeout_s: float = 10.0
+    # A build stuck past this many seconds is abandoned (transient). None: no limit.
+    build_timeout_s: float | None = None
+
+    @property
+    def wants_build(self) -> bool:
+        return self.source is not None or self.libtorch is not None
+
+
+@dataclass(frozen=True)
+class Libtorch:
+    path: str
+    variant: str
+
+
+@dataclass(frozen=True)
+class Binary:
+    path: str
+    cwd: str
+
+
+@dataclass(frozen=True)
+class Prepared:
+    data_path: str | None = None
+    libtorch: Libtorch | None = None
+    bin: Binary | None = None
+    args: tuple[str, ...] | None = None
+    run_id: str | None = None
+    # Device indices offered to the run (after masks); None when the gate was skipped.
+    devices: tuple[int, ...] | None = None
+    # Seconds spent in each step, in pipeline order. Not part of equality:
+    # two attempts that prepared the same thing are the same Prepared.
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        if self.args is not None:
+            out["args"] = list(self.args)
+        if self.devices is not None:
+            out["devices"] = list(self.devices)
+        return out
