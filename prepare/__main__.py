@@ -1,0 +1,3 @@
+from prepare.cli import main
+
+main()
