@@ -1,1 +1,2 @@
 pytest_plugins: list[str] = []
+pytest_plugins.append("mount_fixtures")

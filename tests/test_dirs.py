@@ -1,0 +1,410 @@
+"""Step 3, node-local directories, against real filesystems: kernel tmpfs
+mounts that are read-only, small, or genuinely full, and real users."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from prepare import dirs
+from prepare.fail import Fail
+
+# Uid and gid with no password-database entry on any sane test machine.
+NOBODY_UID = 54321
+
+
+def probes(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith(dirs.PROBE_PREFIX))
+
+
+@pytest.fixture
+def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A HOME and a TMPDIR of the test's own, on the disk under pytest's temp dir."""
+    home = tmp_path / "home"
+    stage = tmp_path / "stage"
+    home.mkdir()
+    stage.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", str(stage))
+    monkeypatch.delenv("TEMP", raising=False)
+    monkeypatch.delenv("TMP", raising=False)
+    return SimpleNamespace(home=home, stage=stage, cache=home / ".flodl" / "data")
+
+
+def check_failing(notes: list[str] | None = None) -> Fail:
+    with pytest.raises(Fail) as caught:
+        dirs.check(notes if notes is not None else [])
+    return caught.value
+
+
+def _python_for(uid: int) -> str | None:
+    """An interpreter `uid` may execute (a pyenv under /root is not one).
+    The package needs nothing outside the standard library for this step,
+    so any Python 3.10+ with the source tree on PYTHONPATH will do."""
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            done = subprocess.run(
+                [candidate, "-c", "import sys; assert sys.version_info >= (3, 10)"],
+                user=uid, group=uid, extra_groups=[], cwd="/",
+                capture_output=True, timeout=30, check=False,
+            )
+        except OSError:
+            continue
+        if done.returncode == 0:
+            return candidate
+    return None
+
+
+def as_user(uid: int, env: dict[str, str]) -> dict:
+    """Run dirs.check in a child process as `uid`: permission checks that
+    root skips are only real for someone else."""
+    python = _python_for(uid)
+    if python is None:
+        pytest.skip(f"no Python interpreter that uid {uid} may execute")
+    code = (
+        "import json\n"
+        "from prepare import dirs\n"
+        "from prepare.fail import Fail\n"
+        "notes = []\n"
+        "try:\n"
+        "    d = dirs.check(notes)\n"
+        "    print(json.dumps({'cache': d.cache, 'stage': d.stage, 'notes': notes}))\n"
+        "except Fail as f:\n"
+        "    print(json.dumps({'kind': f.kind, 'message': f.message}))\n"
+    )
+    base = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": str(Path(dirs.__file__).resolve().parent.parent),
+    }
+    done = subprocess.run(
+        [python, "-c", code],
+        env={**base, **env},
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if done.returncode != 0 and "ModuleNotFoundError" in done.stderr:
+        pytest.skip(f"uid {uid} cannot read the package source: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture
+def open_tmp():
+    """A temp dir every uid may traverse (pytest's own is private to root),
+    so that a permission failure is the one under test, not the path to it."""
+    if os.geteuid() != 0:
+        pytest.skip("running as another uid needs root")
+    path = Path(tempfile.mkdtemp(prefix="fdl-dirs-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# -- the ordinary case -------------------------------------------------------
+
+
+def test_a_writable_home_and_stage_pass_with_the_cache_created_and_no_probe_left(box):
+    notes: list[str] = []
+    got = dirs.check(notes)
+    assert got == dirs.LocalDirs(cache=str(box.cache), stage=str(box.stage))
+    assert box.cache.is_dir()
+    assert probes(box.cache) == [] and probes(box.stage) == []
+
+
+def test_checking_twice_is_idempotent(box):
+    first = dirs.check([])
+    second = dirs.check([])
+    assert first == second
+    assert os.listdir(box.cache) == [] and os.listdir(box.stage) == []
+
+
+def test_a_disk_backed_home_and_stage_get_no_ram_note(box):
+    mount = dirs._mount_of(str(box.stage))
+    if mount is None or mount[1] in dirs.RAM_FILESYSTEMS:
+        pytest.skip(f"pytest's temp dir is not disk-backed here ({mount})")
+    notes: list[str] = []
+    dirs.check(notes)
+    assert not any("spend RAM" in n for n in notes), notes
+
+
+# -- the stage: TMPDIR must hold, no silent fallback -------------------------
+
+
+def test_tmpdir_pointing_at_a_missing_directory_is_permanent_and_names_tmpdir(box, monkeypatch):
+    missing = box.stage / "gone"
+    monkeypatch.setenv("TMPDIR", str(missing))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert f"TMPDIR={missing}" in fail.message
+    assert "ENOENT" in fail.message
+    assert f"mkdir -p {missing}" in fail.message
+
+
+def test_python_itself_would_have_fallen_back_silently_where_the_check_refuses(box, monkeypatch):
+    missing = box.stage / "gone"
+    monkeypatch.setenv("TMPDIR", str(missing))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert tempfile.gettempdir() != str(missing)
+    assert check_failing().kind == "permanent"
+
+
+def test_temp_is_used_when_tmpdir_is_unset_and_tmpdir_wins_over_temp(box, monkeypatch, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("TEMP", str(other))
+    assert dirs.check([]).stage == str(box.stage)
+    monkeypatch.delenv("TMPDIR")
+    assert dirs.check([]).stage == str(other)
+
+
+def test_a_stage_that_is_a_file_is_permanent(box, monkeypatch):
+    file = box.stage / "file"
+    file.write_text("")
+    monkeypatch.setenv("TMPDIR", str(file))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert "not a directory" in fail.message and "TMPDIR" in fail.message
+
+
+# -- the cache path ----------------------------------------------------------
+
+
+def test_a_home_that_is_a_file_fails_permanently_naming_the_file(box, monkeypatch):
+    file = box.home / "not-a-dir"
+    file.write_text("")
+    monkeypatch.setenv("HOME", str(file))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert "ENOTDIR" in fail.message
+    assert f"mv {file} {file}.bak" in fail.message
+    assert "HOME" in fail.message
+
+
+def test_a_cache_whose_parent_is_a_file_fails_permanently_naming_that_file(box):
+    (box.home / ".flodl").write_text("")
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert str(box.cache) in fail.message
+    assert f"mv {box.home / '.flodl'} " in fail.message
+
+
+def test_a_cache_that_is_itself_a_file_fails_permanently(box):
+    box.cache.parent.mkdir(parents=True)
+    box.cache.write_text("")
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert f"mv {box.cache} {box.cache}.bak" in fail.message
+
+
+def test_a_relative_home_is_refused_because_the_cache_would_move(box, monkeypatch):
+    monkeypatch.setenv("HOME", "relative/home")
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert "HOME='relative/home'" in fail.message
+
+
+def test_an_unset_home_uses_the_password_database_home_with_a_note(box, monkeypatch):
+    monkeypatch.delenv("HOME")
+    entry = pwd.getpwuid(os.getuid())
+    flodl = Path(entry.pw_dir) / ".flodl"
+    existed = flodl.exists()
+    had_data = (flodl / "data").exists()
+    notes: list[str] = []
+    try:
+        got = dirs.check(notes)
+    finally:
+        # The fallback writes to the real home: leave it as it was found.
+        if not had_data:
+            try:
+                (flodl / "data").rmdir()
+            except OSError:
+                pass
+        if not existed:
+            try:
+                flodl.rmdir()
+            except OSError:
+                pass
+    assert got.cache == os.path.join(entry.pw_dir, ".flodl", "data")
+    assert any("HOME is unset" in n and entry.pw_dir in n for n in notes), notes
+
+
+def test_an_unset_home_with_no_password_entry_is_permanent(open_tmp):
+    try:
+        pwd.getpwuid(NOBODY_UID)
+        pytest.skip(f"uid {NOBODY_UID} exists here")
+    except KeyError:
+        pass
+    got = as_user(NOBODY_UID, {"TMPDIR": "/tmp"})
+    assert got["kind"] == "permanent"
+    assert f"uid {NOBODY_UID}" in got["message"] and "set HOME" in got["message"]
+
+
+def test_a_home_owned_by_someone_else_fails_with_the_chown_fix(open_tmp):
+    # Root's, 0755: another uid may enter it but not create in it.
+    home = open_tmp / "home"
+    stage = open_tmp / "stage"
+    home.mkdir(mode=0o755)
+    stage.mkdir()
+    stage.chmod(0o1777)
+    cache = home / ".flodl" / "data"
+    got = as_user(NOBODY_UID, {"HOME": str(home), "TMPDIR": str(stage)})
+    assert got["kind"] == "permanent", got
+    assert f"dataset cache {cache} (from HOME={home}) cannot be created" in got["message"]
+    assert "EACCES" in got["message"]
+    assert f"sudo mkdir -p {cache} && sudo chown {NOBODY_UID} {cache}" in got["message"]
+
+
+def test_a_stage_that_others_may_not_write_fails_although_it_exists(open_tmp):
+    home = open_tmp / "theirs"
+    stage = open_tmp / "stage"
+    home.mkdir()
+    os.chown(home, NOBODY_UID, NOBODY_UID)
+    stage.mkdir(mode=0o755)
+    got = as_user(NOBODY_UID, {"HOME": str(home), "TMPDIR": str(stage)})
+    assert got["kind"] == "permanent", got
+    assert f"stage directory {stage} (from TMPDIR={stage}) is not writable" in got["message"]
+    assert "EACCES" in got["message"]
+    assert f"sudo chown {NOBODY_UID} {stage}" in got["message"]
+    assert (home / ".flodl" / "data").is_dir()
+    assert probes(stage) == [] and probes(home / ".flodl" / "data") == []
+
+
+def test_another_user_with_a_home_of_their_own_passes(open_tmp):
+    home = open_tmp / "theirs"
+    home.mkdir()
+    os.chown(home, NOBODY_UID, NOBODY_UID)
+    stage = open_tmp / "stage"
+    stage.mkdir()
+    stage.chmod(0o1777)
+    got = as_user(NOBODY_UID, {"HOME": str(home), "TMPDIR": str(stage)})
+    assert got.get("cache") == str(home / ".flodl" / "data"), got
+    assert (home / ".flodl" / "data").stat().st_uid == NOBODY_UID
+    assert probes(stage) == []
+
+
+# -- real kernel mounts ------------------------------------------------------
+
+
+def test_a_read_only_tmpfs_as_home_fails_permanently_naming_remount(box, monkeypatch, read_only_tmpfs):
+    monkeypatch.setenv("HOME", str(read_only_tmpfs))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert "EROFS" in fail.message and "HOME=" in fail.message
+    assert f"sudo mount -o remount,rw {read_only_tmpfs}" in fail.message
+
+
+def test_a_read_only_tmpfs_with_the_cache_already_there_fails_at_the_probe(box, monkeypatch, tmpfs):
+    ro = tmpfs(read_only=True, populate=lambda p: (p / ".flodl" / "data").mkdir(parents=True))
+    monkeypatch.setenv("HOME", str(ro))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert "is not writable" in fail.message and "EROFS" in fail.message
+    assert f"remount,rw {ro}" in fail.message
+
+
+def test_a_read_only_stage_fails_permanently_naming_tmpdir(box, monkeypatch, read_only_tmpfs):
+    monkeypatch.setenv("TMPDIR", str(read_only_tmpfs))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert f"TMPDIR={read_only_tmpfs}" in fail.message and "EROFS" in fail.message
+
+
+def test_a_small_tmpfs_cache_passes_with_a_free_space_note_and_a_ram_note(box, monkeypatch, tiny_tmpfs):
+    monkeypatch.setenv("HOME", str(tiny_tmpfs))
+    notes: list[str] = []
+    got = dirs.check(notes)
+    assert got.cache == str(tiny_tmpfs / ".flodl" / "data")
+    low = [n for n in notes if "under 1 GiB" in n]
+    assert len(low) == 1 and got.cache in low[0] and "KiB free" in low[0] and "HOME" in low[0]
+    ram = [n for n in notes if "spend RAM" in n]
+    assert len(ram) == 1 and "tmpfs" in ram[0] and got.cache in ram[0]
+    assert probes(Path(got.cache)) == []
+
+
+def test_a_tmpfs_stage_passes_with_a_note_naming_tmpdir(box, monkeypatch, plain_tmpfs):
+    monkeypatch.setenv("TMPDIR", str(plain_tmpfs))
+    notes: list[str] = []
+    got = dirs.check(notes)
+    assert got.stage == str(plain_tmpfs)
+    ram = [n for n in notes if "spend RAM" in n]
+    assert len(ram) == 1 and f"stage directory {plain_tmpfs} is on tmpfs" in ram[0] and "TMPDIR" in ram[0]
+    assert probes(plain_tmpfs) == []
+
+
+def test_a_genuinely_full_cache_fails_with_enospc_and_leaves_no_probe(box, monkeypatch, tmpfs):
+    full = tmpfs("64k", full=True, populate=lambda p: (p / ".flodl" / "data").mkdir(parents=True))
+    monkeypatch.setenv("HOME", str(full))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert "ENOSPC" in fail.message and "HOME=" in fail.message
+    assert f"du -xsh {full}/*" in fail.message
+    assert probes(full / ".flodl" / "data") == []
+
+
+def test_a_genuinely_full_stage_fails_with_enospc_and_leaves_no_probe(box, monkeypatch, full_tmpfs):
+    monkeypatch.setenv("TMPDIR", str(full_tmpfs))
+    fail = check_failing()
+    assert fail.kind == "permanent"
+    assert f"TMPDIR={full_tmpfs}" in fail.message and "ENOSPC" in fail.message
+    assert probes(full_tmpfs) == []
+
+
+def test_the_filesystem_type_is_found_under_a_mountpoint_with_a_space(tmpfs):
+    point = tmpfs(name="with space")
+    nested = point / "a" / "b"
+    nested.mkdir(parents=True)
+    assert dirs._mount_of(str(nested)) == (str(point), "tmpfs")
+
+
+# -- concurrency -------------------------------------------------------------
+
+
+def test_many_threads_checking_at_once_all_pass_and_leave_nothing_behind(box):
+    barrier = threading.Barrier(32)
+    errors: list[BaseException] = []
+    results: list[dirs.LocalDirs] = []
+
+    def one() -> None:
+        barrier.wait()
+        try:
+            for _ in range(10):
+                results.append(dirs.check([]))
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(results) == 320 and len(set(results)) == 1
+    assert os.listdir(box.cache) == [] and os.listdir(box.stage) == []
+
+
+def _check_in_child(_: int) -> str:
+    return dirs.check([]).cache
+
+
+def test_several_processes_checking_at_once_all_pass_and_leave_nothing_behind(box):
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        caches = pool.map(_check_in_child, range(40))
+    assert set(caches) == {str(box.cache)}
+    assert os.listdir(box.cache) == [] and os.listdir(box.stage) == []
