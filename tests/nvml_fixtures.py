@@ -1,0 +1,230 @@
+"""A fake NVIDIA driver: tests/fake_nvml/fake_nvml.c compiled into a
+`libnvidia-ml.so.1` that the real pynvml loads and calls through ctypes, so
+the GPU gate's real code path runs on a machine without a GPU.
+
+Fixture API (register with `pytest_plugins = ["nvml_fixtures"]`):
+
+`fake_nvml` (session) -> `FakeNvml`. Compiles the library once per session
+with gcc (skips when gcc is missing).
+    .lib_dir          the directory holding libnvidia-ml.so.1
+    .library          its path
+    .box(gpus, **kw)  writes a config for one fake box and returns a `FakeBox`;
+                      changes no environment. Keywords: init_error,
+                      count_error, driver, driver_error, cuda ((12, 8) or
+                      12080), cuda_error, count (overrides len(gpus)).
+
+`FakeBox`
+    .env(base=None)   environment for a subprocess that should see this box:
+                      `base` (default os.environ) plus LD_LIBRARY_PATH with
+                      the fake first, and FAKE_NVML_CONFIG.
+    .calls()          the init/shutdown log, e.g. ["init 0", "shutdown 0"].
+    .config, .log     paths.
+
+`nvml_box` (function) -> a callable `(gpus=..., **kw) -> FakeBox` for code
+that runs in the test process itself (gate.check, prepare(), an in-process
+CLI runner). It loads the fake into this process by path with RTLD_GLOBAL
+(once; it stays loaded), so pynvml's own dlopen of the soname finds it, and
+points FAKE_NVML_CONFIG at the new box until the test ends. The fake answers
+NVML_ERROR_LIBRARY_NOT_FOUND whenever FAKE_NVML_CONFIG is unset, so tests
+that ask for no box still see "no driver installed", as on this machine.
+Skips if pynvml already loaded a real libnvidia-ml in this process.
+
+`no_driver_env(base=None)`: environment for a subprocess with no NVML at all
+(empty LD_LIBRARY_PATH, no FAKE_NVML_CONFIG); `host_has_nvml()` says whether
+the host's own driver would still be found, in which case such tests skip.
+
+Cards (`FakeGpu`): name, uuid (default derived from the index), capability,
+memory (bytes), fail (an NVML error code every query, or only `fail_on`,
+returns: "all", "handle", "name", "uuid", "cc", "mem", "mig"), mig (MIG
+instance UUIDs: the card is in MIG mode). Presets: `ampere_pair()` (two
+RTX 3090, capability 8.6), `pascal_card()` (one GTX 1080 Ti, 6.1),
+`hopper_mig(*uuids)` (an H100 in MIG mode). NVML error codes are module
+constants (DRIVER_NOT_LOADED, ...).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SOURCE = Path(__file__).parent / "fake_nvml" / "fake_nvml.c"
+SONAME = "libnvidia-ml.so.1"
+
+# nvml.h return codes the tests script.
+NO_PERMISSION = 4
+NOT_SUPPORTED = 3
+DRIVER_NOT_LOADED = 9
+TIMEOUT = 10
+LIBRARY_NOT_FOUND = 12
+GPU_IS_LOST = 15
+LIB_RM_VERSION_MISMATCH = 18
+NOT_READY = 27
+UNKNOWN = 999
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class FakeGpu:
+    name: str = "NVIDIA GeForce RTX 3090"
+    uuid: str | None = None
+    capability: tuple[int, int] = (8, 6)
+    memory: int = 24 * GIB
+    fail: int | None = None
+    fail_on: str = "all"
+    mig: tuple[str, ...] = ()
+
+
+def default_uuid(index: int) -> str:
+    return f"GPU-{index:08x}-1111-2222-3333-{index:012x}"
+
+
+def ampere_pair() -> list[FakeGpu]:
+    return [FakeGpu(), FakeGpu()]
+
+
+def pascal_card() -> list[FakeGpu]:
+    return [FakeGpu(name="NVIDIA GeForce GTX 1080 Ti", capability=(6, 1), memory=11 * GIB)]
+
+
+def hopper_mig(*mig_uuids: str) -> list[FakeGpu]:
+    return [FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory=80 * GIB, mig=tuple(mig_uuids))]
+
+
+@dataclass(frozen=True)
+class FakeBox:
+    lib_dir: Path
+    config: Path
+    log: Path
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        old = env.get("LD_LIBRARY_PATH")
+        env["LD_LIBRARY_PATH"] = f"{self.lib_dir}:{old}" if old else str(self.lib_dir)
+        env["FAKE_NVML_CONFIG"] = str(self.config)
+        return env
+
+    def calls(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+
+class FakeNvml:
+    def __init__(self, lib_dir: Path) -> None:
+        self.lib_dir = lib_dir
+        self.library = lib_dir / SONAME
+        self._boxes = itertools.count()
+
+    def box(
+        self,
+        gpus: Sequence[FakeGpu] = (),
+        *,
+        init_error: int = 0,
+        count_error: int = 0,
+        driver: str = "570.86.15",
+        driver_error: int = 0,
+        cuda: tuple[int, int] | int = (12, 8),
+        cuda_error: int = 0,
+        count: int | None = None,
+        directory: Path | None = None,
+    ) -> FakeBox:
+        where = directory or (self.lib_dir / "boxes")
+        where.mkdir(parents=True, exist_ok=True)
+        n = next(self._boxes)
+        config, log = where / f"box{n}.conf", where / f"box{n}.log"
+        cuda_int = cuda if isinstance(cuda, int) else cuda[0] * 1000 + cuda[1] * 10
+        lines = [
+            f"init_error {init_error}",
+            f"count_error {count_error}",
+            f"driver {driver}",
+            f"driver_error {driver_error}",
+            f"cuda {cuda_int}",
+            f"cuda_error {cuda_error}",
+            f"log {log}",
+            f"count {len(gpus) if count is None else count}",
+        ]
+        for i, gpu in enumerate(gpus):
+            lines += [
+                f"dev {i} name {gpu.name}",
+                f"dev {i} uuid {gpu.uuid or default_uuid(i)}",
+                f"dev {i} cc {gpu.capability[0]} {gpu.capability[1]}",
+                f"dev {i} mem {gpu.memory}",
+            ]
+            if gpu.fail is not None:
+                lines.append(f"dev {i} fail {gpu.fail} {gpu.fail_on}")
+            lines += [f"dev {i} mig {m}" for m in gpu.mig]
+        config.write_text("\n".join(lines) + "\n")
+        return FakeBox(self.lib_dir, config, log)
+
+
+def no_driver_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["LD_LIBRARY_PATH"] = ""
+    env.pop("FAKE_NVML_CONFIG", None)
+    return env
+
+
+def host_has_nvml() -> bool:
+    probe = "import ctypes\ntry:\n ctypes.CDLL('libnvidia-ml.so.1')\nexcept OSError:\n raise SystemExit(1)\n"
+    return subprocess.run([sys.executable, "-c", probe], env=no_driver_env(), check=False).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def fake_nvml() -> Iterator[FakeNvml]:
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if gcc is None:
+        pytest.skip("gcc is not installed: the fake libnvidia-ml.so.1 cannot be compiled")
+    lib_dir = Path(tempfile.mkdtemp(prefix="fake-nvml-"))
+    try:
+        subprocess.run(
+            [
+                gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
+                f"-Wl,-soname,{SONAME}", "-o", str(lib_dir / SONAME), str(SOURCE),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        yield FakeNvml(lib_dir)
+    finally:
+        shutil.rmtree(lib_dir, ignore_errors=True)
+
+
+_loaded: list[ctypes.CDLL] = []
+
+
+def _load_into_this_process(fake: FakeNvml) -> None:
+    import pynvml
+
+    if not _loaded:
+        if pynvml.nvmlLib is not None:
+            pytest.skip("pynvml already loaded the host's libnvidia-ml in this process; the fake cannot replace it")
+        _loaded.append(ctypes.CDLL(str(fake.library), mode=ctypes.RTLD_GLOBAL))
+    elif pynvml.nvmlLib is not None:
+        ours = ctypes.cast(_loaded[0].nvmlInitWithFlags, ctypes.c_void_p).value
+        theirs = ctypes.cast(pynvml.nvmlLib.nvmlInitWithFlags, ctypes.c_void_p).value
+        if ours != theirs:
+            pytest.skip("pynvml is bound to another libnvidia-ml in this process")
+
+
+@pytest.fixture
+def nvml_box(
+    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., FakeBox]:
+    _load_into_this_process(fake_nvml)
+
+    def make(gpus: Sequence[FakeGpu] = (), **kw: object) -> FakeBox:
+        box = fake_nvml.box(gpus, directory=tmp_path / "nvml", **kw)  # type: ignore[arg-type]
+        monkeypatch.setenv("FAKE_NVML_CONFIG", str(box.config))
+        return box
+
+    return make
