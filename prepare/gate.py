@@ -233,14 +233,13 @@ def survey(env: Mapping[str, str] | None = None) -> Gpus:
         handles = {d.index: h for d, h, _ in surveyed if h is not None}
         codes = {d.index: code for d, _, code in surveyed}
 
-        mig_cache: list[tuple[str, int]] = []
-        mig_read: list[bool] = []
+        mig: list[tuple[str, int]] | None = None
 
         def mig_instances() -> list[tuple[str, int]]:
-            if not mig_read:
-                mig_cache.extend(_mig_instances(pynvml, handles))
-                mig_read.append(True)
-            return mig_cache
+            nonlocal mig
+            if mig is None:
+                mig = _mig_instances(pynvml, handles)
+            return mig
 
         raw = env.get("CUDA_VISIBLE_DEVICES")
         visible, parse_notes = parse_visible_devices(raw, devices, mig_instances)
