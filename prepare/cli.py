@@ -179,7 +179,8 @@ def _prepare(config_flag: Optional[str], flags: dict[str, Any], as_json: bool) -
     if as_json:
         out = done.to_json()
         out["notes"] = notes
-        print(json.dumps(out, indent=None, sort_keys=True))
+        # Keys in pipeline order, not sorted: the timings read as the steps ran.
+        print(json.dumps(out))
         return EXIT_OK
     print_notes(NAME, notes)
     _summary(done, time.monotonic() - start)
@@ -235,9 +236,10 @@ def gpus(
     except Fail as fail:
         raise typer.Exit(_report_fail(fail, [], as_json))
     if as_json:
-        print(json.dumps(survey.to_json(), sort_keys=True))
+        print(json.dumps(survey.to_json()))
     else:
         print(gate.format_table(survey))
+        print_notes(f"{NAME} gpus", survey.notes)
     raise typer.Exit(EXIT_OK)
 
 

@@ -1,2 +1,3 @@
-pytest_plugins: list[str] = []
-pytest_plugins.append("mount_fixtures")
+# Fixture plugins, one per real part the tests stand up: kernel mounts, an
+# sshd on loopback, a stand-in libnvidia-ml.so.1.
+pytest_plugins: list[str] = ["mount_fixtures", "sshd_fixtures", "nvml_fixtures"]
