@@ -1,0 +1,118 @@
+{
+  description = "fdl-prepare: a pinned libtorch and the training binary, built for a GPU box before it dials";
+
+  inputs = {
+    # Pinned by revision in the URL: nixos-25.05 as of 2025-09-20. There is
+    # no flake.lock in the repository yet (it was written offline); the first
+    # online run does `nix flake lock` and commits the lock file, which adds
+    # the narHash. Without it, every evaluation on a box re-fetches nixpkgs to
+    # lock it, and a box without internet cannot evaluate at all.
+    #
+    # libtorch is NOT taken as this nixpkgs ships it (libtorch-bin 2.5.0 with
+    # CUDA 12.4): nix/nixpkgs.nix pins 2.7.0 (cpu and cu128) on top of
+    # nixpkgs' own libtorch-bin recipe, and says why.
+    nixpkgs.url = "github:NixOS/nixpkgs/b2a3852bd078e68dd2b3dfa8c00c67af1f0a7d20";
+
+    # The training source tree and the directory holding recipe.json. Both
+    # default to this flake itself (there is no recipe.json here, so
+    # `fdl.training` refuses to evaluate until one is passed); fdl-prepare
+    # always overrides them:
+    #   --override-input source 'path:/nix/store/…-source?narHash=sha256-…'
+    #   --override-input recipe 'path:<state dir>/recipe'
+    source = {
+      follows = "";
+      flake = false;
+    };
+    recipe = {
+      follows = "";
+      flake = false;
+    };
+  };
+
+  outputs =
+    {
+      self,
+      nixpkgs,
+      source,
+      recipe,
+    }:
+    let
+      # The wiring uses builtins only: evaluating `fdl.variants` or
+      # `fdl.contract` must not even fetch nixpkgs, let alone libtorch.
+      systems = [ "x86_64-linux" ];
+      forSystems =
+        f:
+        builtins.listToAttrs (
+          map (system: {
+            name = system;
+            value = f system;
+          }) systems
+        );
+
+      pkgsFor = system: import nixpkgs { inherit system; };
+
+      # A downstream flake's way to add a variant without touching this
+      # repository or the Python side (nix/CONTRACT.md, "Adding a variant").
+      mkFdl =
+        {
+          system,
+          source,
+          recipe,
+          extraVariants ? (_toolchain: { }),
+          pkgs ? pkgsFor system,
+        }:
+        import ./nix/contract.nix {
+          inherit
+            system
+            source
+            recipe
+            extraVariants
+            ;
+          toolchain = import ./nix/nixpkgs.nix pkgs;
+        };
+
+      flakeRef = "path:${self.outPath}" + (if self ? narHash then "?narHash=${self.narHash}" else "");
+    in
+    {
+      lib = {
+        inherit mkFdl;
+        # The toolchain-agnostic contract, for flakes that bring their own.
+        contract = import ./nix/contract.nix;
+      };
+
+      legacyPackages = forSystems (system: {
+        fdl = mkFdl { inherit system source recipe; };
+      });
+
+      packages = forSystems (
+        system:
+        let
+          pkgs = pkgsFor system;
+          fdl-prepare = pkgs.callPackage ./nix/app.nix {
+            src = ./.;
+            inherit flakeRef;
+          };
+        in
+        {
+          inherit fdl-prepare;
+          default = fdl-prepare;
+        }
+      );
+
+      apps = forSystems (
+        system:
+        let
+          prepare = {
+            type = "app";
+            program = "${self.packages.${system}.fdl-prepare}/bin/fdl-prepare";
+          };
+        in
+        {
+          inherit prepare;
+          default = prepare;
+        }
+      );
+
+      nixosModules.default = import ./nix/module.nix self;
+    };
+}

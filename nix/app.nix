@@ -1,0 +1,79 @@
+# The front end as a package: `nix run .#prepare` (and `.#default`).
+#
+# `flakeRef` is this flake's own store path as a flake URL, so a box that runs
+# the app builds against exactly the flake that shipped it unless the operator
+# names another (`flake` in the config, or FDL_PREPARE_FLAKE in the unit).
+{
+  lib,
+  python3Packages,
+  nix,
+  sshfs,
+  fuse,
+  fuse3,
+  openssh,
+  git,
+  src,
+  flakeRef,
+}:
+let
+  pyproject = builtins.fromTOML (builtins.readFile (src + "/pyproject.toml"));
+
+  # Only what the Python build reads: editing tests or nix/ must not rebuild
+  # the app (its wrapper still changes with the flake, which is the point).
+  appSrc = lib.fileset.toSource {
+    root = src;
+    fileset = lib.fileset.unions [
+      (src + "/pyproject.toml")
+      (src + "/prepare")
+      (lib.fileset.maybeMissing (src + "/README.md"))
+    ];
+  };
+in
+python3Packages.buildPythonApplication {
+  pname = "fdl-prepare";
+  inherit (pyproject.project) version;
+  pyproject = true;
+  src = appSrc;
+
+  build-system = [ python3Packages.setuptools ];
+  dependencies = with python3Packages; [
+    nvidia-ml-py
+    sh
+    typer
+  ];
+
+  # nix and the fuse helpers go last on PATH: a host's own nix matches its
+  # daemon, and on NixOS the setuid fusermount wrappers in /run/wrappers/bin
+  # must win over the plain binaries, or an unprivileged unmount fails.
+  # sshfs, ssh and git come first, so mounts and fetches behave the same on
+  # every box whatever the distribution ships.
+  makeWrapperArgs = [
+    "--prefix"
+    "PATH"
+    ":"
+    (lib.makeBinPath [
+      sshfs
+      openssh
+      git
+    ])
+    "--suffix"
+    "PATH"
+    ":"
+    (lib.makeBinPath [
+      nix
+      fuse3
+      fuse
+    ])
+    "--set-default"
+    "FDL_PREPARE_FLAKE"
+    flakeRef
+  ];
+
+  pythonImportsCheck = [ "prepare" ];
+
+  meta = {
+    description = pyproject.project.description;
+    mainProgram = "fdl-prepare";
+    platforms = lib.platforms.linux;
+  };
+}

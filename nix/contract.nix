@@ -1,0 +1,145 @@
+# The flake contract (nix/CONTRACT.md) as one function, shared by the
+# production flake and the nixpkgs-free test flake: what differs between them
+# is only the injected toolchain, so the tests exercise this very file.
+#
+# Returns the set published as `legacyPackages.<system>.fdl`.
+#
+# Every check here reads metadata and recipe.json only. A refusal must come
+# from evaluation, before a single byte of libtorch is fetched: that is what
+# lets the runner call a bad recipe permanent instead of discovering it after
+# a multi-gigabyte download.
+{
+  system,
+  # { libtorch-bin; buildTraining; ... } (nix/nixpkgs.nix, tests/flake/toolchain.nix)
+  toolchain,
+  # the training source tree (flake = false input)
+  source,
+  # a directory holding recipe.json (flake = false input)
+  recipe,
+  # toolchain -> { <label> = { cuda; archs; package; }; }: how a downstream
+  # flake adds (or replaces) variants without editing this repository.
+  extraVariants ? (_toolchain: { }),
+}:
+let
+  inherit (builtins)
+    all
+    attrNames
+    concatStringsSep
+    fromJSON
+    hasAttr
+    isAttrs
+    isList
+    isString
+    mapAttrs
+    match
+    pathExists
+    readFile
+    toJSON
+    typeOf
+    ;
+
+  contract = 1;
+
+  fail = msg: throw "fdl-prepare flake: ${msg}";
+
+  quote = toJSON;
+
+  declared = import ./libtorch.nix toolchain // extraVariants toolchain;
+
+  labels = concatStringsSep ", " (attrNames declared);
+
+  # Labels travel on command lines and into attribute paths; archs are
+  # compared numerically by the runner ("8.6", "9.0+PTX").
+  labelOk = label: match "[A-Za-z0-9][A-Za-z0-9_.-]*" label != null;
+  archOk = a: isString a && match "[0-9]+\\.[0-9]+(\\+PTX)?" a != null;
+
+  checkVariant =
+    label: v:
+    if !(labelOk label) then
+      fail "variant label ${quote label} is not a plain name (letters, digits, '.', '_', '-')"
+    else if !(isAttrs v) then
+      fail "variant ${quote label} must be an attrset { cuda; archs; package; }, got a ${typeOf v}"
+    else if !(v ? cuda) || !(v.cuda == null || isString v.cuda) then
+      fail "variant ${quote label}: `cuda` must be a version string like \"12.8\" or null for a CPU build"
+    else if !(v ? archs) || !(isList v.archs) || !(all archOk v.archs) then
+      fail "variant ${quote label}: `archs` must be a list of compute capabilities like \"8.6\" or \"9.0+PTX\""
+    else
+      {
+        inherit label;
+        inherit (v) cuda archs;
+      };
+
+  variants = mapAttrs checkVariant declared;
+
+  libtorch = mapAttrs (
+    label: v: if v ? package then v.package else fail "variant ${quote label} has no `package`"
+  ) declared;
+
+  # A path inside the source tree, as the run manifest spells it. Absolute
+  # paths and `..` would escape the pinned tree, so they are refused.
+  relativeOk = p: match "/.*" p == null && match "(.*/)?\\.\\.(/.*)?" p == null;
+
+  recipeFile = "${recipe}/recipe.json";
+
+  rawRecipe =
+    if !(pathExists recipeFile) then
+      fail "the `recipe` input has no recipe.json; fdl-prepare writes one and passes `--override-input recipe path:<dir>` (by hand: put recipe.json in a directory and pass that)"
+    else
+      let
+        r = fromJSON (readFile recipeFile);
+      in
+      if isAttrs r then r else fail "recipe.json must hold a JSON object, got a ${typeOf r}";
+
+  checkedRecipe =
+    let
+      r = rawRecipe;
+      bin = r.bin or null;
+      cwd = if (r.cwd or null) == null || r.cwd == "" then "." else r.cwd;
+      build = r.build or null;
+      variant = r.libtorch or null;
+    in
+    if (r.contract or null) != contract then
+      fail "recipe.json speaks contract ${quote (r.contract or null)}, this flake speaks contract ${toString contract}: upgrade fdl-prepare or point `flake` at a matching flake"
+    else if bin == null || bin == "" then
+      fail "recipe.json has no `bin`: set `bin` in the run manifest (.fdl-run.toml) or `bin` under [join.source]"
+    else if !(isString bin) || !(relativeOk bin) then
+      fail "recipe.json `bin` = ${quote bin} must be a name or a path relative to `cwd`, without `..`"
+    else if !(isString cwd) || !(relativeOk cwd) then
+      fail "recipe.json `cwd` = ${quote cwd} must be a directory relative to the source root, without `..`"
+    else if !(pathExists "${source}/${cwd}") then
+      fail "recipe.json `cwd` = ${quote cwd} does not exist in the training source; fix `cwd` in .fdl-run.toml or [join.source]"
+    else if !(build == null || isString build) then
+      fail "recipe.json `build` must be a shell line or null, got a ${typeOf build}"
+    else if !(variant == null || isString variant) then
+      fail "recipe.json `libtorch` must be a variant label or null, got a ${typeOf variant}"
+    else if variant != null && !(hasAttr variant declared) then
+      fail "unknown libtorch variant ${quote variant}; this flake has: ${labels}; set `libtorch` (--libtorch) to one of them"
+    else
+      {
+        inherit contract bin cwd build;
+        libtorch = variant;
+      };
+
+  training =
+    let
+      r = checkedRecipe;
+    in
+    toolchain.buildTraining {
+      inherit system;
+      src = source;
+      inherit (r) cwd build bin;
+      variant = r.libtorch;
+      libtorch = if r.libtorch == null then null else libtorch.${r.libtorch};
+    };
+in
+{
+  inherit
+    contract
+    variants
+    libtorch
+    training
+    ;
+  # The recipe as the flake understood it, defaults filled in: lets the runner
+  # (and an operator) see what a build will use without building it.
+  recipe = checkedRecipe;
+}
