@@ -341,7 +341,7 @@ def parse_devices(text: str, *, field: str = "--devices") -> list[int]:
 
 # -- the schema --------------------------------------------------------------------
 
-Checker = Callable[[Any, bool], "str | None"]
+Checker = Callable[[Any], "str | None"]
 
 
 def _kind(value: Any) -> str:
@@ -366,7 +366,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _string(value: Any, flags: bool) -> str | None:
+def _string(value: Any) -> str | None:
     if not isinstance(value, str):
         return f"expected a string, got {_kind(value)}"
     if not value.strip():
@@ -374,13 +374,13 @@ def _string(value: Any, flags: bool) -> str | None:
     return None
 
 
-def _boolean(value: Any, flags: bool) -> str | None:
+def _boolean(value: Any) -> str | None:
     if isinstance(value, bool):
         return None
     return f"expected true or false (unquoted), got {_kind(value)}"
 
 
-def _port(value: Any, flags: bool) -> str | None:
+def _port(value: Any) -> str | None:
     if not _is_int(value):
         return f"expected an integer port from 1 to 65535, got {_kind(value)}"
     if not 1 <= value <= 65535:
@@ -388,7 +388,7 @@ def _port(value: Any, flags: bool) -> str | None:
     return None
 
 
-def _seconds(value: Any, flags: bool) -> str | None:
+def _seconds(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"expected a number of seconds greater than 0, got {_kind(value)}"
     if not math.isfinite(value) or value <= 0:
@@ -396,7 +396,7 @@ def _seconds(value: Any, flags: bool) -> str | None:
     return None
 
 
-def _devices(value: Any, flags: bool) -> str | None:
+def _devices(value: Any) -> str | None:
     if not isinstance(value, (list, tuple)):
         return f"expected an array of device indices such as [0, 1], got {_kind(value)}"
     if not value:
@@ -415,7 +415,7 @@ def _devices(value: Any, flags: bool) -> str | None:
     return None
 
 
-def _strings(value: Any, flags: bool) -> str | None:
+def _strings(value: Any) -> str | None:
     if not isinstance(value, (list, tuple)):
         return f'expected an array of strings such as ["ServerAliveInterval=15"], got {_kind(value)}'
     for item in value:
@@ -481,7 +481,7 @@ def _validate(table: Mapping[str, Any], name: Namer, *, flags: bool = False) -> 
             continue
         for key, value in node.items():
             dotted = f"{sub}.{key}" if sub else key
-            if not sub and key in _TABLES:
+            if not sub and key in ("source", "ssh"):
                 continue
             full, line = name(dotted)
             check = schema.get(key)
@@ -493,7 +493,7 @@ def _validate(table: Mapping[str, Any], name: Namer, *, flags: bool = False) -> 
                 continue
             if value is None and flags:
                 continue
-            problem = check(value, flags)
+            problem = check(value)
             if problem:
                 problem_at(line, f"{full}{_at(line)} = {_show(value)}: {problem}{_hint(check, key, value, flags)}")
     return [text for _, text in sorted(found, key=lambda item: item[0])]
@@ -553,7 +553,8 @@ def _suggest(sub: str, key: str) -> str:
 def _file_namer(text: str) -> Namer:
     def name(dotted: str) -> tuple[str, int | None]:
         path = ("join", *dotted.split("."))
-        return ".".join(path), _line_of(text, path)
+        shown = ".".join(p if re.fullmatch(r"[A-Za-z0-9_-]+", p) else json.dumps(p) for p in path)
+        return shown, _line_of(text, path)
 
     return name
 

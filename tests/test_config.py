@@ -1,0 +1,594 @@
+"""The config file, its validation, and precedence: flags > file >
+environment defaults > built-in defaults, each rule its own test."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from prepare import config
+from prepare.fail import Fail
+from prepare.spec import DataSpec, PrepareSpec, SourceSpec, SshSpec
+
+FULL = """\
+# other tools share this file
+[controller]
+listen = "0.0.0.0:7000"
+
+[join]
+data_path = "/flodl/data"
+data_source = "sshfs://data@storage.example:/srv/datasets"
+libtorch = "auto"
+devices = [0, 1]
+cpu_only = false
+flake = "github:example/fdl"
+state_dir = "/var/lib/fdl"
+list_timeout = 5
+build_timeout = 1800.5
+
+[join.source]
+from = "git+https://git.example/train.git?ref=main"
+cwd = "."
+build = "cargo build --release"
+bin = "target/release/train"
+
+[join.ssh]
+target = "controller.example"
+port = 2222
+user = "worker"
+identity_file = "/etc/fdl/id_ed25519"
+options = ["ServerAliveInterval=15", "StrictHostKeyChecking=accept-new"]
+"""
+
+FULL_TABLE = {
+    "data_path": "/flodl/data",
+    "data_source": "sshfs://data@storage.example:/srv/datasets",
+    "libtorch": "auto",
+    "devices": [0, 1],
+    "cpu_only": False,
+    "flake": "github:example/fdl",
+    "state_dir": "/var/lib/fdl",
+    "list_timeout": 5,
+    "build_timeout": 1800.5,
+    "source": {
+        "from": "git+https://git.example/train.git?ref=main",
+        "cwd": ".",
+        "build": "cargo build --release",
+        "bin": "target/release/train",
+    },
+    "ssh": {
+        "target": "controller.example",
+        "port": 2222,
+        "user": "worker",
+        "identity_file": "/etc/fdl/id_ed25519",
+        "options": ["ServerAliveInterval=15", "StrictHostKeyChecking=accept-new"],
+    },
+}
+
+
+@pytest.fixture
+def write(tmp_path: Path):
+    def make(text: str | bytes, name: str = "prepare.toml") -> Path:
+        path = tmp_path / name
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(text, encoding="utf-8")
+        return path
+
+    return make
+
+
+def load_fail(path: Path) -> Fail:
+    with pytest.raises(Fail) as caught:
+        config.load(path)
+    return caught.value
+
+
+def resolve_fail(file: dict, flags: dict, env: dict | None = None) -> Fail:
+    with pytest.raises(Fail) as caught:
+        config.resolve(file, flags, env or {})
+    return caught.value
+
+
+# -- finding the file ------------------------------------------------------------
+
+
+def test_the_config_flag_wins_over_the_variable_and_the_default(write, tmp_path):
+    flag = write("", "flag.toml")
+    named = write("", "env.toml")
+    default = write("", "default.toml")
+    got = config.find_path(str(flag), {config.CONFIG_ENV: str(named)}, default=default)
+    assert got == flag
+
+
+def test_the_variable_is_used_when_there_is_no_flag(write):
+    named = write("", "env.toml")
+    default = write("", "default.toml")
+    assert config.find_path(None, {config.CONFIG_ENV: str(named)}, default=default) == named
+
+
+def test_the_default_file_is_used_when_present(write):
+    default = write("", "default.toml")
+    assert config.find_path(None, {}, default=default) == default
+
+
+def test_no_flag_no_variable_and_no_default_file_means_no_config(tmp_path):
+    assert config.find_path(None, {}, default=tmp_path / "absent.toml") is None
+
+
+def test_an_empty_variable_counts_as_unset(tmp_path):
+    assert config.find_path(None, {config.CONFIG_ENV: ""}, default=tmp_path / "absent.toml") is None
+
+
+def test_a_config_flag_naming_a_missing_file_is_permanent_and_names_the_flag(tmp_path):
+    with pytest.raises(Fail) as caught:
+        config.find_path(str(tmp_path / "typo.toml"), {}, default=tmp_path / "absent.toml")
+    assert caught.value.kind == "permanent"
+    assert f"--config {tmp_path / 'typo.toml'}" in caught.value.message
+
+
+def test_an_empty_config_flag_is_permanent(tmp_path):
+    with pytest.raises(Fail) as caught:
+        config.find_path("", {}, default=tmp_path / "absent.toml")
+    assert caught.value.kind == "permanent" and "--config" in caught.value.message
+
+
+def test_a_variable_naming_a_missing_file_is_permanent_and_names_the_variable(tmp_path):
+    missing = tmp_path / "typo.toml"
+    with pytest.raises(Fail) as caught:
+        config.find_path(None, {config.CONFIG_ENV: str(missing)}, default=tmp_path / "absent.toml")
+    assert caught.value.kind == "permanent"
+    assert f"FDL_PREPARE_CONFIG={missing}" in caught.value.message
+
+
+def test_a_dangling_symlink_at_the_default_place_is_reported_not_skipped(tmp_path):
+    link = tmp_path / "prepare.toml"
+    link.symlink_to(tmp_path / "gone.toml")
+    assert config.find_path(None, {}, default=link) == link
+    fail = load_fail(link)
+    assert fail.kind == "permanent" and str(link) in fail.message
+
+
+# -- loading ---------------------------------------------------------------------
+
+
+def test_a_full_config_loads_as_plain_dicts_and_other_tools_tables_are_ignored(write):
+    assert config.load(write(FULL)) == FULL_TABLE
+
+
+def test_a_file_without_a_join_table_is_an_empty_config(write):
+    assert config.load(write('[controller]\nlisten = "x"\n')) == {}
+
+
+def test_an_empty_file_is_an_empty_config(write):
+    assert config.load(write("")) == {}
+
+
+@pytest.mark.parametrize("header", ["Join", "jion", "joins"])
+def test_a_misspelt_join_table_is_refused_rather_than_ignored(write, header):
+    path = write(f'[{header}]\ndata_path = "/x"\n')
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert f"[{header}]" in fail.message and "[join]" in fail.message and str(path) in fail.message
+
+
+@pytest.mark.parametrize("text", ["join = 3\n", "[[join]]\ndata_path = \"/x\"\n"])
+def test_join_that_is_not_a_table_is_permanent(write, text):
+    path = write(text)
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert "join must be a table" in fail.message and str(path) in fail.message
+
+
+BAD_TOML = [
+    # (text, line, words the message must carry)
+    ('[join]\ndata_path = /flodl/data\n', 2, ['strings need double quotes: data_path = "/flodl/data"']),
+    ('[join]\ndata_path = "/flodl/data\n', 2, ["closing quote"]),
+    ('[join]\nport 22\n', 2, ["Expected '='"]),
+    ('[join\ndata_path = "/x"\n', 1, []),
+    ('[join]\ndevices = [0, 1\n', 3, []),
+    ('[join]\n[join]\n', 2, ["table header appears twice"]),
+    ('[join]\ncpu_only = True\n', 2, []),
+]
+
+
+@pytest.mark.parametrize(("text", "line", "words"), BAD_TOML)
+def test_a_toml_syntax_error_is_permanent_with_file_line_and_column(write, text, line, words):
+    path = write(text)
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    # The column is the parser's; only its presence and the line are pinned here.
+    assert re.match(rf"config {re.escape(str(path))}, line {line}, column \d+: invalid TOML", fail.message)
+    for word in words:
+        assert word in fail.message
+
+
+def test_a_syntax_error_shows_the_line_and_a_caret_under_the_column(write):
+    fail = load_fail(write('[join]\ndata_path = /flodl/data\n'))
+    shown = fail.message.split("\n")
+    assert shown[1] == "    data_path = /flodl/data"
+    assert shown[2] == "    " + " " * 12 + "^"
+
+
+def test_a_key_set_twice_is_a_syntax_error(write):
+    fail = load_fail(write('[join]\nflake = "a"\nflake = "b"\n'))
+    assert fail.kind == "permanent" and "invalid TOML" in fail.message
+
+
+def test_a_file_that_is_not_utf8_is_permanent_with_the_line(write):
+    path = write(b'[join]\n# caf\xe9\ndata_path = "/x"\n')
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert f"config {path}, line 2" in fail.message and "0xe9" in fail.message and "UTF-8" in fail.message
+
+
+def test_a_directory_given_as_the_config_is_permanent(tmp_path):
+    fail = load_fail(tmp_path)
+    assert fail.kind == "permanent" and f"config {tmp_path} is a directory" in fail.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reading as another uid needs root")
+def test_a_file_this_user_may_not_read_is_permanent_not_a_traceback():
+    uid = 54321
+    folder = Path(tempfile.mkdtemp(prefix="fdl-config-"))
+    try:
+        folder.chmod(0o755)
+        path = folder / "prepare.toml"
+        path.write_text('[join]\ndata_path = "/x"\n')
+        path.chmod(0o600)
+        code = (
+            "from prepare import config\n"
+            "from prepare.fail import Fail\n"
+            "try:\n"
+            f"    config.load({str(path)!r})\n"
+            "except Fail as f:\n"
+            "    print(f.kind + ': ' + f.message)\n"
+        )
+        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(config.__file__).resolve().parent.parent)}
+        for python in (sys.executable, "/usr/bin/python3"):
+            try:
+                done = subprocess.run(
+                    [python, "-c", code], env=env, user=uid, group=uid, extra_groups=[], cwd="/",
+                    capture_output=True, text=True, timeout=60, check=False,
+                )
+            except OSError:
+                continue
+            if done.returncode == 0:
+                break
+        else:
+            pytest.skip(f"no Python interpreter that uid {uid} may run")
+        assert done.stdout.startswith(f"permanent: config {path} cannot be read"), done.stdout + done.stderr
+        assert "EACCES" in done.stdout and f"sudo chmod a+r {path}" in done.stdout
+    finally:
+        path.unlink(missing_ok=True)
+        folder.rmdir()
+
+
+UNKNOWN_KEYS = [
+    # (where the key goes, the misspelt key, the suggestion the message must make)
+    ("join", "data_pth", "join.data_path"),
+    ("join", "data-source", "join.data_source"),
+    ("join", "flke", "join.flake"),
+    ("join", "cpuonly", "join.cpu_only"),
+    ("join", "list_timout", "join.list_timeout"),
+    ("join", "port", "join.ssh.port"),
+    ("join", "bin", "join.source.bin"),
+    ("join.source", "from_", "join.source.from"),
+    ("join.source", "biuld", "join.source.build"),
+    ("join.source", "data_path", "join.data_path"),
+    ("join.ssh", "identiy_file", "join.ssh.identity_file"),
+    ("join.ssh", "option", "join.ssh.options"),
+    ("join.ssh", "hostname", None),
+]
+
+
+@pytest.mark.parametrize(("table", "key", "suggestion"), UNKNOWN_KEYS)
+def test_an_unknown_key_is_permanent_and_names_the_nearest_valid_key(write, table, key, suggestion):
+    path = write(f'[{table}]\n{key} = "x"\n')
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert str(path) in fail.message
+    assert f"unknown key {table}.{key} (line 2)" in fail.message
+    if suggestion is not None:
+        assert f"did you mean {suggestion}?" in fail.message
+    else:
+        assert "did you mean" not in fail.message
+        assert f"[{table}] takes: target, port, user, identity_file, options" in fail.message
+
+
+WRONG_TYPES = [
+    # (table, key, TOML value, words the message must carry)
+    ("join", "data_path", "42", ["expected a string", 'quote it: data_path = "42"']),
+    ("join", "data_path", '""', ["expected a non-empty string"]),
+    ("join", "data_source", "true", ["expected a string"]),
+    ("join", "libtorch", "[\"cpu\"]", ["expected a string"]),
+    ("join", "devices", '"0,1"', ["expected an array", "write it as a list: devices = [0, 1]"]),
+    ("join", "devices", "0", ["expected an array", "devices = [0]"]),
+    ("join", "devices", "[-1]", ["from 0 up"]),
+    ("join", "devices", "[0, \"1\"]", ['"1" is a string']),
+    ("join", "devices", "[true]", ["is a boolean"]),
+    ("join", "devices", "[0, 0]", ["listed twice"]),
+    ("join", "devices", "[]", ["offers no device"]),
+    ("join", "cpu_only", '"true"', ["expected true or false", "cpu_only = true"]),
+    ("join", "cpu_only", "1", ["expected true or false"]),
+    ("join", "flake", "{ url = \"x\" }", ["expected a string, got a table"]),
+    ("join", "state_dir", "1979-05-27", ["expected a string, got a date/time"]),
+    ("join", "list_timeout", '"30"', ["expected a number", "list_timeout = 30"]),
+    ("join", "list_timeout", "0", ["greater than 0"]),
+    ("join", "list_timeout", "inf", ["finite"]),
+    ("join", "list_timeout", "true", ["got a boolean"]),
+    ("join", "build_timeout", "-5", ["greater than 0"]),
+    ("join", "build_timeout", "nan", ["finite"]),
+    ("join.source", "from", "1", ["expected a string"]),
+    ("join.source", "cwd", "false", ["expected a string"]),
+    ("join.source", "build", "[\"cargo\", \"build\"]", ["expected a string, got an array"]),
+    ("join.source", "bin", "3.5", ["expected a string"]),
+    ("join.ssh", "target", "10", ["expected a string"]),
+    ("join.ssh", "port", '"22"', ["expected an integer", "port = 22"]),
+    ("join.ssh", "port", "0", ["from 1 to 65535"]),
+    ("join.ssh", "port", "65536", ["from 1 to 65535"]),
+    ("join.ssh", "port", "22.0", ["expected an integer"]),
+    ("join.ssh", "user", "1000", ["expected a string", 'user = "1000"']),
+    ("join.ssh", "identity_file", "[]", ["expected a string"]),
+    ("join.ssh", "options", '"BatchMode=yes"', ["expected an array of strings", 'options = ["BatchMode=yes"]']),
+    ("join.ssh", "options", "[15]", ["15 is an integer"]),
+    ("join.ssh", "options", '[""]', ["non-empty"]),
+]
+
+
+@pytest.mark.parametrize(("table", "key", "value", "words"), WRONG_TYPES)
+def test_a_wrong_type_is_permanent_and_names_the_key_the_value_and_the_expected_type(
+    write, table, key, value, words
+):
+    path = write(f"[{table}]\n{key} = {value}\n")
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert str(path) in fail.message
+    assert f"{table}.{key} (line 2) = " in fail.message
+    for word in words:
+        assert word in fail.message, fail.message
+
+
+def test_every_key_of_the_schema_has_a_wrong_type_case():
+    covered = {f"{t}.{k}" for t, k, _, _ in WRONG_TYPES}
+    schema = {f"join.{k}" for k in config.FLAG_NAMES}
+    assert schema <= covered, schema - covered
+
+
+@pytest.mark.parametrize(("text", "key"), [('[join]\nsource = "x"\n', "join.source"), ("[join]\nssh = 22\n", "join.ssh")])
+def test_a_table_key_given_a_plain_value_is_permanent(write, text, key):
+    fail = load_fail(write(text))
+    assert fail.kind == "permanent" and f"{key} (line 2)" in fail.message and "expected a table" in fail.message
+
+
+def test_dotted_keys_and_inline_tables_are_validated_like_headers(write):
+    fail = load_fail(write('[join]\nssh.port = "22"\nsource = { bim = "x" }\n'))
+    assert "join.ssh.port (line 2)" in fail.message
+    assert "unknown key join.source.bim" in fail.message and "did you mean join.source.bin?" in fail.message
+
+
+def test_all_problems_are_reported_at_once_in_file_order(write):
+    path = write('[join]\nflke = "x"\n\n[join.ssh]\nport = "22"\n\n[join.source]\nfrom_ = "y"\n')
+    fail = load_fail(path)
+    assert fail.message.startswith(f"config {path}: 3 problems:")
+    lines = fail.message.split("\n")[1:]
+    assert ["join.flke" in lines[0], "join.ssh.port" in lines[1], "join.source.from_" in lines[2]] == [True] * 3
+
+
+# -- precedence: flags > file > environment defaults > built-in defaults ------------------
+
+
+def test_nothing_given_yields_the_built_in_defaults():
+    assert config.resolve({}, {}, {}) == PrepareSpec()
+
+
+def test_an_environment_default_beats_the_built_in_one():
+    spec = config.resolve({}, {}, {"FDL_PREPARE_FLAKE": "path:/nix/app", "STATE_DIRECTORY": "/var/lib/fdl"})
+    assert spec.flake == "path:/nix/app"
+    assert spec.state_dir == "/var/lib/fdl"
+
+
+def test_the_first_of_several_systemd_state_directories_is_the_state_dir():
+    spec = config.resolve({}, {}, {"STATE_DIRECTORY": "/var/lib/fdl:/var/lib/other"})
+    assert spec.state_dir == "/var/lib/fdl"
+
+
+def test_an_empty_environment_default_counts_as_unset():
+    assert config.resolve({}, {}, {"FDL_PREPARE_FLAKE": "", "STATE_DIRECTORY": ""}) == PrepareSpec()
+
+
+def test_the_file_beats_an_environment_default():
+    env = {"FDL_PREPARE_FLAKE": "path:/nix/app", "STATE_DIRECTORY": "/run/state"}
+    spec = config.resolve({"flake": "github:me/fdl", "state_dir": "/srv/fdl"}, {}, env)
+    assert spec.flake == "github:me/fdl"
+    assert spec.state_dir == "/srv/fdl"
+
+
+def test_a_flag_beats_an_environment_default():
+    spec = config.resolve({}, {"flake": "path:/mine"}, {"FDL_PREPARE_FLAKE": "path:/nix/app"})
+    assert spec.flake == "path:/mine"
+
+
+SCALARS = [
+    # (dotted key, file value, flag value, how to read it off the spec)
+    ("data_path", "/file", "/flag", lambda s: s.data.data_path),
+    ("data_source", "sshfs://a/x", "sshfs://b/y", lambda s: s.data.data_source),
+    ("libtorch", "cu128", "cpu", lambda s: s.libtorch),
+    ("devices", [0, 1], [2], lambda s: s.devices),
+    ("cpu_only", False, True, lambda s: s.cpu_only),
+    ("flake", "github:a/b", "path:/c", lambda s: s.flake),
+    ("state_dir", "/file/state", "/flag/state", lambda s: s.state_dir),
+    ("list_timeout", 5, 7.5, lambda s: s.list_timeout_s),
+    ("build_timeout", 60, 120, lambda s: s.build_timeout_s),
+    ("source.from", "git+https://a", "path:/b", lambda s: s.source.from_),
+    ("source.cwd", "a", "b", lambda s: s.source.cwd),
+    ("source.build", "make", "cargo build", lambda s: s.source.build),
+    ("source.bin", "a.out", "train", lambda s: s.source.bin),
+    ("ssh.target", "a.example", "b.example", lambda s: s.ssh.target),
+    ("ssh.port", 22, 2222, lambda s: s.ssh.port),
+    ("ssh.user", "file", "flag", lambda s: s.ssh.user),
+    ("ssh.identity_file", "/a", "/b", lambda s: s.ssh.identity_file),
+    ("ssh.options", ["A=1"], ["B=2"], lambda s: s.ssh.options),
+]
+
+
+def nested(dotted: str, value):
+    head, _, tail = dotted.partition(".")
+    return {head: {tail: value}} if tail else {head: value}
+
+
+def expected(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+@pytest.mark.parametrize(("key", "file_value", "flag_value", "read"), SCALARS, ids=[s[0] for s in SCALARS])
+def test_a_flag_beats_the_file_for_every_key(key, file_value, flag_value, read):
+    assert read(config.resolve(nested(key, file_value), {}, {})) == expected(file_value)
+    assert read(config.resolve(nested(key, file_value), nested(key, flag_value), {})) == expected(flag_value)
+
+
+@pytest.mark.parametrize(("key", "file_value", "flag_value", "read"), SCALARS, ids=[s[0] for s in SCALARS])
+def test_a_flag_given_as_none_means_not_given(key, file_value, flag_value, read):
+    assert read(config.resolve(nested(key, file_value), nested(key, None), {})) == expected(file_value)
+
+
+def test_a_flag_for_one_field_leaves_the_files_other_fields_alone():
+    spec = config.resolve(FULL_TABLE, {"data_path": "/elsewhere"}, {})
+    assert spec.data == DataSpec(data_path="/elsewhere", data_source=FULL_TABLE["data_source"])
+    assert spec.libtorch == "auto" and spec.devices == (0, 1) and spec.flake == "github:example/fdl"
+    assert spec.source == SourceSpec(
+        from_="git+https://git.example/train.git?ref=main", cwd=".", build="cargo build --release",
+        bin="target/release/train",
+    )
+    assert spec.ssh.port == 2222 and spec.ssh.user == "worker"
+
+
+def test_source_fields_merge_field_by_field():
+    spec = config.resolve(FULL_TABLE, {"source": {"from": "path:/checkout", "bin": None}}, {})
+    assert spec.source == SourceSpec(
+        from_="path:/checkout", cwd=".", build="cargo build --release", bin="target/release/train"
+    )
+
+
+def test_ssh_fields_merge_field_by_field():
+    spec = config.resolve(FULL_TABLE, {"ssh": {"port": 22}}, {})
+    assert spec.ssh == SshSpec(
+        target="controller.example", port=22, user="worker", identity_file="/etc/fdl/id_ed25519",
+        options=("ServerAliveInterval=15", "StrictHostKeyChecking=accept-new"),
+    )
+
+
+def test_ssh_options_from_flags_replace_the_files_list_rather_than_extend_it():
+    spec = config.resolve(FULL_TABLE, {"ssh": {"options": ["BatchMode=yes"]}}, {})
+    assert spec.ssh.options == ("BatchMode=yes",)
+
+
+def test_ssh_options_from_the_file_stand_when_no_option_flag_is_given():
+    spec = config.resolve(FULL_TABLE, {"ssh": {"options": None}}, {})
+    assert spec.ssh.options == ("ServerAliveInterval=15", "StrictHostKeyChecking=accept-new")
+
+
+def test_an_empty_options_list_from_flags_is_given_and_clears_the_files_list():
+    assert config.resolve(FULL_TABLE, {"ssh": {"options": []}}, {}).ssh.options == ()
+
+
+def test_devices_from_flags_replace_the_files_list():
+    assert config.resolve({"devices": [0, 1, 2]}, {"devices": [3]}, {}).devices == (3,)
+
+
+def test_no_cpu_only_flag_beats_cpu_only_in_the_file():
+    assert config.resolve({"cpu_only": True}, {"cpu_only": False}, {}).cpu_only is False
+
+
+def test_no_source_anywhere_means_no_source_spec():
+    assert config.resolve({"data_path": "/x"}, {"ssh": {"port": 22}}, {}).source is None
+
+
+def test_a_source_flag_alone_makes_a_source_spec():
+    spec = config.resolve({}, {"source": {"from": "path:/checkout"}}, {})
+    assert spec.source == SourceSpec(from_="path:/checkout")
+    assert spec.wants_build
+
+
+def test_source_flags_that_are_all_none_make_no_source_spec():
+    assert config.resolve({}, {"source": {"from": None, "bin": None}}, {}).source is None
+
+
+def test_an_empty_source_table_in_the_file_is_a_source_spec_with_nothing_set():
+    assert config.resolve({"source": {}}, {}, {}).source == SourceSpec()
+
+
+def test_values_come_out_as_the_types_the_spec_declares():
+    spec = config.resolve(FULL_TABLE, {}, {})
+    assert isinstance(spec.devices, tuple) and isinstance(spec.ssh.options, tuple)
+    assert spec.list_timeout_s == 5.0 and isinstance(spec.list_timeout_s, float)
+    assert spec.build_timeout_s == 1800.5
+
+
+def test_a_loaded_file_resolves_end_to_end(write):
+    spec = config.resolve(config.load(write(FULL)), {"ssh": {"user": "root"}}, {"FDL_PREPARE_FLAKE": "path:/app"})
+    assert spec.ssh.user == "root" and spec.flake == "github:example/fdl" and spec.data.data_path == "/flodl/data"
+
+
+# -- flags are validated like the file, and named as flags ----------------------------------
+
+
+BAD_FLAGS = [
+    ({"ssh": {"port": 0}}, "--ssh-port (join.ssh.port) = 0"),
+    ({"ssh": {"port": "22"}}, '--ssh-port (join.ssh.port) = "22": expected an integer'),
+    ({"devices": []}, "--devices (join.devices) = []: an empty list offers no device"),
+    ({"devices": [0, -1]}, "--devices (join.devices)"),
+    ({"list_timeout": 0.0}, "--list-timeout (join.list_timeout) = 0.0"),
+    ({"build_timeout": -1.0}, "--build-timeout (join.build_timeout)"),
+    ({"data_path": ""}, "--data-path (join.data_path)"),
+    ({"source": {"from": ""}}, "--source (join.source.from)"),
+    ({"ssh": {"identity_file": " "}}, "--identity-file (join.ssh.identity_file)"),
+    ({"ssh": {"options": ["A=1", 2]}}, "--ssh-option (join.ssh.options)"),
+    ({"cpu_only": "yes"}, "--cpu-only (join.cpu_only)"),
+]
+
+
+@pytest.mark.parametrize(("flags", "named"), BAD_FLAGS)
+def test_a_bad_flag_value_is_permanent_and_names_the_flag(flags, named):
+    fail = resolve_fail({}, flags)
+    assert fail.kind == "permanent"
+    assert named in fail.message, fail.message
+    assert "TOML" not in fail.message and "quotes" not in fail.message
+
+
+def test_an_unknown_flag_key_is_a_caller_bug_not_an_operator_error():
+    with pytest.raises(ValueError, match="ssh.prot"):
+        config.resolve({}, {"ssh": {"prot": 22}}, {})
+
+
+def test_a_bad_file_table_handed_straight_to_resolve_is_still_refused():
+    fail = resolve_fail({"ssh": {"port": "22"}}, {})
+    assert fail.kind == "permanent" and "join.ssh.port" in fail.message
+
+
+@pytest.mark.parametrize("libtorch", ["cu128", "cu126"])
+def test_cpu_only_with_a_cuda_libtorch_is_permanent_and_names_both_sources(libtorch):
+    fail = resolve_fail({"libtorch": libtorch}, {"cpu_only": True})
+    assert fail.kind == "permanent"
+    assert "--cpu-only" in fail.message and "join.libtorch in the config" in fail.message
+    assert f'"{libtorch}"' in fail.message
+
+
+@pytest.mark.parametrize("libtorch", ["cpu", "auto", None])
+def test_cpu_only_allows_the_cpu_and_auto_libtorch(libtorch):
+    assert config.resolve({"cpu_only": True}, {"libtorch": libtorch}, {}).cpu_only is True
+
+
+def test_parse_devices_reads_a_comma_list_and_refuses_garbage():
+    assert config.parse_devices("0, 2") == [0, 2]
+    for text in ["", "0,,1", "a", "-1", "1.5"]:
+        with pytest.raises(Fail) as caught:
+            config.parse_devices(text)
+        assert caught.value.kind == "permanent" and "--devices" in caught.value.message
