@@ -1,0 +1,437 @@
+"""Steps 4 and 5: a libtorch variant that serves this box's cards, and the
+training binary built from the published source against it.
+
+The order inside is as load-bearing as the pipeline's:
+
+1. The spec is checked first (a flake named, a pinned source URL, sane box
+   recipe values): no nix call is spent on a config that cannot work.
+2. The variant and its arch coverage come from *evaluating* the flake's
+   `fdl.variants`: nothing is fetched or built before a card that the
+   variant ships no kernel for is refused (permanent).
+3. The training source is fetched once per attempt (`nix flake prefetch`),
+   which re-resolves a moving ref, so a re-dial after a new publish sees the
+   new commit. The build then gets *that* tree by store path and NAR hash
+   (`--override-input source path:<store>?narHash=`), never the URL: the ref
+   cannot move between fetch and build.
+4. The manifest is read from the fetched tree and merged over the box's
+   recipe; the result goes to the flake as `recipe.json` in a directory under
+   the state directory (`--override-input recipe path:<dir>`), which is how it
+   reaches the build without `--impure`.
+5. One `nix build` of libtorch, the training binary and the source tree, with
+   out-links under `<state>/gcroots/`: they are GC roots, so a garbage
+   collection never deletes what a prepared run is about to use. Nix writes
+   an out-link only once its output is complete, so a build stopped midway
+   (SIGTERM, timeout) leaves the previous links, each to a complete output.
+
+What `Binary.cwd` means for a store-built binary: the fetched source tree at
+the recipe's `cwd` (`<source store path>/<cwd>`), the same directory the build
+ran in, so relative paths in the run's arguments resolve as they did on the
+publisher's machine. It is read-only (it is a store path, kept alive by the
+`source` GC root); a run writes to the stage or cache directories, never to
+its cwd.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from prepare import manifest as manifest_mod
+from prepare import nix as nix_mod
+from prepare import variants as variants_mod
+from prepare.fail import permanent
+from prepare.spec import Binary, Libtorch, PrepareSpec
+
+CONTRACT = 1
+Progress = Callable[[dict[str, Any]], None]
+
+_GIT_SCHEMES = ("git+https", "git+http", "git+ssh", "git+file", "git")
+_FORGE_SCHEMES = ("github", "gitlab", "sourcehut")
+_TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz2", ".tar.zst", ".zip")
+
+
+@dataclass(frozen=True)
+class Built:
+    libtorch: Libtorch | None
+    bin: Binary | None
+    args: tuple[str, ...] | None
+    run_id: str | None
+
+
+# -- the state directory ----------------------------------------------------------
+
+
+def default_state_dir(env: dict[str, str] | None = None, uid: int | None = None) -> str:
+    """systemd's StateDirectory= first (a unit that declares one owns it),
+    then the XDG state home, then the per-user default; root gets /var/lib."""
+    env = dict(os.environ) if env is None else env
+    uid = os.getuid() if uid is None else uid
+    if env.get("STATE_DIRECTORY"):
+        # systemd passes a colon-separated list when a unit declares several.
+        return env["STATE_DIRECTORY"].split(":")[0]
+    if env.get("XDG_STATE_HOME"):
+        return os.path.join(env["XDG_STATE_HOME"], "fdl-prepare")
+    if uid == 0:
+        return "/var/lib/fdl-prepare"
+    home = env.get("HOME") or os.path.expanduser("~")
+    return os.path.join(home, ".local", "state", "fdl-prepare")
+
+
+def _ensure_state_dir(spec: PrepareSpec) -> str:
+    state = os.path.abspath(spec.state_dir or default_state_dir())
+    try:
+        os.makedirs(os.path.join(state, "gcroots"), exist_ok=True)
+        probe = os.path.join(state, f".probe-{os.getpid()}")
+        with open(probe, "w", encoding="utf-8") as handle:
+            handle.write("probe\n")
+        os.unlink(probe)
+    except OSError as err:
+        raise permanent(
+            f"the state directory {state!r} (state_dir, --state-dir) cannot be created or written: {err.strerror}. "
+            f"It holds the GC roots of built outputs. Fix: `sudo mkdir -p {state} && sudo chown $(id -u) {state}`, "
+            "or set state_dir (--state-dir) to a writable directory"
+        ) from None
+    return state
+
+
+@contextmanager
+def _locked(state: str) -> Iterator[None]:
+    """Two prepares on one box (a restart racing a manual run) must not
+    rewrite the recipe or the out-links under each other."""
+    with open(os.path.join(state, "lock"), "a+", encoding="utf-8") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+# -- the source URL -----------------------------------------------------------------
+
+
+def check_source_url(url: str | None) -> str:
+    """Refuse, before any nix call, a source URL that is not a pin.
+
+    A git source without `ref` or `rev` follows whatever the remote's default
+    branch is today: two boxes prepared an hour apart could train different
+    code under one run. Registry names (`nixpkgs`, `flake:x`) need the global
+    registry this runner never consults."""
+    if url is None or not str(url).strip():
+        raise permanent(
+            "the training source has no URL: set source.from in [join.source] (--source), e.g. "
+            "\"git+https://host/repo?ref=main\" or \"path:/srv/train\""
+        )
+    url = str(url).strip()
+    if url.startswith("/") or url.startswith("."):
+        raise permanent(
+            f"source.from = {url!r} is a bare path; Nix would guess whether it is a git checkout (following its "
+            f"current branch) or a plain directory. Write it as a flake URL: \"path:{os.path.abspath(url)}\", or "
+            f"\"git+file://{os.path.abspath(url)}?ref=main\" (--source)"
+        )
+    scheme, sep, rest = url.partition(":")
+    if not sep or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+        raise permanent(
+            f"source.from = {url!r} is not a flake URL (no scheme): use git+https://, git+ssh://, git+file://, "
+            "path: or a tarball https:// URL (--source)"
+        )
+    query = parse_qs(urlsplit(url).query)
+    if scheme in _GIT_SCHEMES or scheme.startswith("git+"):
+        if not query.get("ref") and not query.get("rev"):
+            raise permanent(
+                f"source.from = {url!r} names no ref or rev: a git source without one follows the remote's default "
+                f"branch, which is not a pin. Add ?ref=<branch> (re-resolved on every attempt) or ?rev=<commit> "
+                f"(fixed): e.g. \"{url}{'&' if '?' in url else '?'}ref=main\" in [join.source] from (--source)"
+            )
+    elif scheme in _FORGE_SCHEMES:
+        path = rest.split("?")[0].strip("/").split("/")
+        if len(path) < 3 and not query.get("ref") and not query.get("rev"):
+            raise permanent(
+                f"source.from = {url!r} names no ref or rev, so it follows the default branch, which is not a pin: "
+                f"write {scheme}:<owner>/<repo>/<branch or commit> in [join.source] from (--source)"
+            )
+    elif scheme == "flake":
+        raise permanent(
+            f"source.from = {url!r} looks like a flake registry name; fdl-prepare consults no registry (a box "
+            "without internet would wait on it). Write the full URL (git+https://...?ref=..., path:...) (--source)"
+        )
+    return url
+
+
+# -- the build ------------------------------------------------------------------------
+
+
+class _Phases:
+    """Step events for the progress display, around the nix events."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress = progress
+
+    def __call__(self, name: str, detail: str) -> None:
+        self._send({"type": "step", "name": name, "detail": detail})
+
+    def end(self) -> None:
+        self._send({"type": "end"})
+
+    def _send(self, event: dict[str, Any]) -> None:
+        if self.progress is not None:
+            try:
+                self.progress(event)
+            except Exception:  # noqa: BLE001 - a broken display must not break preparation
+                pass
+
+
+def build(
+    spec: PrepareSpec,
+    gpus: Any,
+    notes: list[str],
+    progress: Progress | None = None,
+    *,
+    nix_program: str = "nix",
+    env: dict[str, str] | None = None,
+) -> Built:
+    """Resolve the variant, check its coverage, fetch the source, build.
+    Raises Fail; returns what the run needs. Idempotent: with nothing
+    changed, a second call builds and downloads nothing."""
+    flake = (spec.flake or "").strip()
+    if not flake:
+        raise permanent(
+            "no flake to build from: set flake in [join] (--flake), e.g. \"github:owner/fdl-prepare\" or "
+            "\"git+file:///srv/fdl-prepare?ref=main\"; `nix run .#prepare` sets it to its own flake"
+        )
+    source = spec.source
+    if source is not None:
+        check_source_url(source.from_)
+        manifest_mod.check_box(source)
+
+    state = _ensure_state_dir(spec)
+    step = _Phases(progress)
+    nix = nix_mod.Nix(state, program=nix_program, env=env, on_event=progress)
+    nix.check_version()
+    system = nix_mod.system()
+    try:
+        result = _run(spec, gpus, notes, nix, step, flake, system, state)
+    finally:
+        step.end()
+    return result
+
+
+def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step: _Phases, flake: str,
+         system: str, state: str) -> Built:
+    source = spec.source
+    fdl = f"{flake}#legacyPackages.{system}.fdl"
+    with _locked(state):
+        step("evaluate", f"libtorch variants of {flake}")
+        meta = nix.eval_json(
+            fdl,
+            apply="fdl: { contract = fdl.contract or null; variants = fdl.variants or null; }",
+            doing=f"evaluating the flake {flake!r} (flake, --flake) for legacyPackages.{system}.fdl",
+            fix=f"point flake (--flake) at a flake that follows the fdl-prepare contract (nix/CONTRACT.md) "
+                f"for {system}, or fix this one",
+        )
+        contract = meta.get("contract") if isinstance(meta, dict) else None
+        if contract != CONTRACT:
+            raise permanent(
+                f"the flake {flake!r} speaks contract {contract!r} (legacyPackages.{system}.fdl.contract), this "
+                f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point flake (--flake) at a matching revision"
+            )
+        variants = variants_mod.parse_variants(meta.get("variants"), flake)
+        requested = spec.libtorch
+        if requested is None:
+            notes.append("libtorch not set: choosing automatically (libtorch = \"auto\")")
+        variant = variants_mod.choose(requested, variants, gpus, spec.cpu_only, flake, notes)
+
+        overrides: dict[str, str] = {}
+        installables = [f"{fdl}.libtorch.{variant.label}"]
+        recipe = None
+        fetched = None
+        if source is not None:
+            step("fetch", f"training source {source.from_}")
+            fetched = nix.prefetch(
+                source.from_,
+                doing=f"fetching the training source {source.from_!r} (source.from)",
+                fix="check that the URL, its ref and the network are right (source.from, --source); "
+                    "the next attempt retries",
+            )
+            _note_fetched(fetched, notes)
+            manifest = manifest_mod.read(fetched.store_path)
+            recipe = manifest_mod.merge(source, manifest, source.from_)
+            notes.extend(manifest_mod.notes_for(recipe, manifest, time.time()))
+            recipe_dir = _write_recipe(state, recipe.to_json(variant.label, CONTRACT))
+            overrides = {"source": fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
+            installables += [f"{fdl}.training", fetched.store_path]
+
+        step("build", ", ".join(_short(i) for i in installables))
+        out_link = os.path.join(state, "gcroots", "result")
+        results, log = nix.build(
+            installables,
+            out_link=out_link,
+            overrides=overrides,
+            timeout_s=spec.build_timeout_s,
+            doing=(f"building libtorch {variant.label}" + (f" and the training binary from {source.from_!r}"
+                                                          if source is not None else "")),
+        )
+        paths = _outputs(results)
+        _prune_links(out_link, paths)
+
+    libtorch_path, training_path = _identify(results, recipe.bin if recipe else None, fetched)
+    _note_build(log, results, variant.label, libtorch_path, training_path, notes)
+    libtorch = Libtorch(path=libtorch_path, variant=variant.label)
+    if recipe is None or fetched is None:
+        return Built(libtorch=libtorch, bin=None, args=None, run_id=None)
+    if training_path is None:
+        raise permanent(
+            f"the flake {flake!r} built no training output holding bin/{os.path.basename(recipe.bin)}: "
+            "its fdl.training does not follow the contract (nix/CONTRACT.md: install the recipe's bin to $out/bin/)"
+        )
+    binary = Binary(
+        path=os.path.join(training_path, "bin", os.path.basename(recipe.bin)),
+        cwd=os.path.normpath(os.path.join(fetched.store_path, recipe.cwd)),
+    )
+    return Built(libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id)
+
+
+def _short(installable: str) -> str:
+    return installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1] if "#" in installable else nix_mod.store_name(installable)
+
+
+def _write_recipe(state: str, recipe: dict[str, Any]) -> str:
+    """recipe.json, alone in its directory (the flake input copies the whole
+    directory into the store), replaced atomically."""
+    directory = os.path.join(state, "recipe")
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(state, f"recipe.json.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(recipe, handle, sort_keys=True, indent=2)
+        handle.write("\n")
+    os.replace(tmp, os.path.join(directory, "recipe.json"))
+    for stray in os.listdir(directory):
+        if stray != "recipe.json":
+            _remove(os.path.join(directory, stray))
+    return directory
+
+
+def _remove(path: str) -> None:
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            import shutil
+
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _outputs(results: list[dict[str, Any]]) -> set[str]:
+    paths: set[str] = set()
+    for result in results:
+        if "path" in result:
+            paths.add(result["path"])
+        for path in (result.get("outputs") or {}).values():
+            paths.add(path)
+    return paths
+
+
+def _prune_links(out_link: str, paths: set[str]) -> None:
+    """Drop out-links left by an earlier attempt that built more things
+    (`result-3` from a build with one more output): they would pin old
+    outputs forever."""
+    directory, base = os.path.split(out_link)
+    for name in os.listdir(directory):
+        if name != base and not name.startswith(base + "-"):
+            continue
+        link = os.path.join(directory, name)
+        if os.path.islink(link) and os.readlink(link) not in paths:
+            try:
+                os.unlink(link)
+            except OSError:
+                pass
+
+
+def _identify(results: list[dict[str, Any]], bin_: str | None,
+              fetched: nix_mod.Prefetched | None) -> tuple[str, str | None]:
+    """Which result is libtorch and which the training binary. Nix does not
+    keep the installables' order in its JSON, so the training output is the
+    one that holds the recipe's bin (the contract says it installs it to
+    $out/bin/), and libtorch is the other derivation."""
+    built = [r for r in results if "drvPath" in r]
+    training = None
+    if bin_ is not None and len(built) > 1:
+        name = os.path.basename(bin_)
+        holding = [r for r in built if os.path.exists(os.path.join(r["outputs"].get("out", ""), "bin", name))]
+        if len(holding) > 1:
+            holding = [r for r in holding if "libtorch" not in nix_mod.store_name(r["drvPath"])] or holding[:1]
+        if holding:
+            training = holding[0]
+    rest = [r for r in built if r is not training]
+    libtorch = rest[0] if rest else built[0]
+    outputs = libtorch.get("outputs") or {}
+    libtorch_path = outputs.get("out") or next(iter(outputs.values()))
+    training_path = (training.get("outputs") or {}).get("out") if training else None
+    return libtorch_path, training_path
+
+
+def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:
+    rev = (fetched.locked or {}).get("rev") if fetched.locked else None
+    notes.append(
+        f"training source {fetched.url} fetched: {fetched.store_path}"
+        + (f" (rev {str(rev)[:12]})" if rev else "")
+        + f", {fetched.nar_hash}"
+    )
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+
+
+def _note_build(log: nix_mod.Log, results: list[dict[str, Any]], label: str, libtorch_path: str,
+                training_path: str | None, notes: list[str]) -> None:
+    built_drvs = {a.fields[0] for a in log.builds() if a.fields}
+    substituted = {a.fields[0] for a in log.substitutions() if a.fields}
+    already: list[str] = []
+    made: list[str] = []
+    fetched: list[str] = []
+    for result in results:
+        if "drvPath" not in result:
+            continue
+        outputs = set((result.get("outputs") or {}).values())
+        if libtorch_path in outputs:
+            what = f"libtorch {label}"
+        elif training_path in outputs:
+            what = "the training binary"
+        else:
+            what = nix_mod.store_name(result["drvPath"])
+        if result["drvPath"] in built_drvs:
+            made.append(what)
+        elif outputs & substituted:
+            fetched.append(what)
+        else:
+            already.append(what)
+    other = sorted(nix_mod.store_name(d) for d in built_drvs
+                   if d not in {r.get("drvPath") for r in results})
+    if already:
+        notes.append(f"already in the store: {', '.join(already)}")
+    if made or other:
+        seconds = sum((a.stopped or a.started) - a.started for a in log.builds())
+        notes.append(f"built: {', '.join(made + other)} ({seconds:.1f}s of builds)")
+    if fetched or log.transfers():
+        notes.append(
+            f"downloaded: {_human(log.bytes_downloaded)} in {len(log.transfers())} transfer(s)"
+            + (f" ({', '.join(fetched)} from a binary cache)" if fetched else "")
+        )
+    elif not made and not other:
+        notes.append("nothing built, nothing downloaded")
+

@@ -1,0 +1,235 @@
+"""The run manifest (`.fdl-run.toml`) and the recipe it makes with the box's own.
+
+A publish writes `.fdl-run.toml` at the root of the training source tree last:
+its presence is the commit point. Everything in it belongs to the run (which
+binary, built how, with which arguments), so it outranks the box's
+`[join.source]` field by field; a field it leaves out keeps the box's value,
+so a box can carry defaults that a publish does not have to repeat.
+
+A broken manifest is transient, not permanent: the publisher fixes it with the
+next publish, and a box in a persist loop should pick that up by itself.
+Broken values in the box's own config are permanent: only an operator
+changes those.
+
+Pure: reading a file, parsing and merging. No subprocesses.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from prepare.fail import permanent, transient
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+FILENAME = ".fdl-run.toml"
+
+_FIELDS = ("bin", "cwd", "build", "args", "run", "built", "published_epoch", "origin")
+_TYPES: dict[str, tuple[type, str]] = {
+    "bin": (str, "a string (a name or a path relative to cwd)"),
+    "cwd": (str, "a string (a directory relative to the source root)"),
+    "build": (str, "a string (a shell line)"),
+    "args": (list, "a list of strings"),
+    "run": (str, "a string (the run's identity)"),
+    "built": (bool, "true or false"),
+    "published_epoch": (int, "an integer (seconds since the epoch)"),
+    "origin": (str, "a string"),
+}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    bin: str | None = None
+    cwd: str | None = None
+    build: str | None = None
+    args: tuple[str, ...] | None = None
+    run: str | None = None
+    built: bool | None = None
+    published_epoch: int | None = None
+    origin: str | None = None
+    # Keys this version does not know: ignored (a newer publisher may add
+    # fields), but named in a note so a typo does not go unnoticed.
+    unknown: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the flake builds and how the run starts: the manifest merged over the box."""
+
+    bin: str
+    cwd: str = "."
+    build: str | None = None
+    args: tuple[str, ...] | None = None
+    run_id: str | None = None
+    built: bool | None = None
+    published_epoch: int | None = None
+    origin: str | None = None
+    has_manifest: bool = False
+
+    def to_json(self, libtorch: str, contract: int) -> dict[str, Any]:
+        return {"contract": contract, "libtorch": libtorch, "cwd": self.cwd, "build": self.build, "bin": self.bin}
+
+
+def parse(text: str, where: str = FILENAME) -> Manifest:
+    """Parse a manifest's text. Every problem is a transient Fail naming the
+    file and the key, because the fix is a new publish."""
+    try:
+        table = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as bad:
+        raise transient(f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}") from None
+    values: dict[str, Any] = {}
+    for key in _FIELDS:
+        if key not in table:
+            continue
+        value = table[key]
+        want, described = _TYPES[key]
+        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        if ok and key == "args":
+            ok = all(isinstance(a, str) for a in value)
+        if not ok:
+            raise transient(
+                f"the run manifest {where} has {key} = {value!r}, expected {described}: publish a fixed {FILENAME}"
+            )
+        values[key] = tuple(value) if key == "args" else value
+    unknown = tuple(sorted(k for k in table if k not in _FIELDS))
+    return Manifest(**values, unknown=unknown)
+
+
+def read(source_root: str) -> Manifest | None:
+    """The manifest at the root of a fetched source tree, or None if it has none."""
+    path = os.path.join(source_root, FILENAME)
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise transient(f"cannot read the run manifest {path}: {err.strerror}") from None
+    return parse(raw.decode("utf-8", "replace"), where=path)
+
+
+def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> str:
+    """cwd and bin name places inside the source tree (or the build output):
+    an absolute path or one climbing out with `..` would build or run
+    something the pinned tree does not contain."""
+    norm = posixpath.normpath(value.strip()) if value.strip() else ""
+    bad = (
+        not norm
+        or posixpath.isabs(norm)
+        or norm == ".." or norm.startswith("../")
+        or (norm == "." and not allow_dot)
+    )
+    if not bad:
+        return norm
+    rule = "a path relative to the source root, without '..'" if key == "cwd" else \
+        "a name or a relative path, without '..'"
+    if from_manifest:
+        raise transient(f"the run manifest {FILENAME} has {key} = {value!r}; it must be {rule}: publish a fixed {FILENAME}")
+    raise permanent(f"source.{key} = {value!r} must be {rule}: fix [join.source] {key} (--source-{key})")
+
+
+def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
+    """Field by field, the manifest's value where it has one, else the box's.
+
+    No manifest and no `bin` on the box means nothing has been published yet:
+    transient, so a box provisioned ahead of the first publish waits for it."""
+    box_values = {
+        "bin": getattr(box, "bin", None),
+        "cwd": getattr(box, "cwd", None),
+        "build": getattr(box, "build", None),
+    }
+    got: dict[str, Any] = {}
+    origin_of: dict[str, bool] = {}
+    for key in ("bin", "cwd", "build"):
+        mine = getattr(manifest, key) if manifest is not None else None
+        if mine is not None:
+            got[key], origin_of[key] = mine, True
+        else:
+            got[key], origin_of[key] = box_values[key], False
+    if not got["bin"]:
+        if manifest is None:
+            raise transient(
+                f"the training source {source_url!r} has no run manifest ({FILENAME} at its root) and the box "
+                "declares no binary: nothing is published yet. Publish the run (`fdl publish` writes the "
+                f"manifest), or set source.bin (--source-bin) to build without one"
+            )
+        raise transient(
+            f"the run manifest {FILENAME} in {source_url!r} names no bin and the box declares none: publish a "
+            f"manifest with bin, or set source.bin (--source-bin)"
+        )
+    bin_ = _relative(got["bin"], "bin", origin_of["bin"], allow_dot=False)
+    cwd = _relative(got["cwd"], "cwd", origin_of["cwd"], allow_dot=True) if got["cwd"] else "."
+    build = got["build"] if got["build"] and got["build"].strip() else None
+    return Recipe(
+        bin=bin_,
+        cwd=cwd,
+        build=build,
+        args=manifest.args if manifest is not None else None,
+        run_id=manifest.run if manifest is not None else None,
+        built=manifest.built if manifest is not None else None,
+        published_epoch=manifest.published_epoch if manifest is not None else None,
+        origin=manifest.origin if manifest is not None else None,
+        has_manifest=manifest is not None,
+    )
+
+
+def age(published_epoch: int, now: float) -> str:
+    """"5m ago" style, coarse on purpose: it is read by a person deciding
+    whether a box picked up the publish they just made."""
+    delta = int(now - published_epoch)
+    if delta < -60:
+        return f"{_span(-delta)} in the future (is this box's clock right?)"
+    delta = max(delta, 0)
+    if delta < 60:
+        return f"{delta}s ago"
+    return f"{_span(delta)} ago"
+
+
+def _span(seconds: int) -> str:
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    if seconds < 86400:
+        hours, rest = divmod(seconds, 3600)
+        return f"{hours}h{rest // 60:02d}m" if rest >= 60 and hours < 10 else f"{hours}h"
+    return f"{seconds // 86400}d"
+
+
+def notes_for(recipe: Recipe, manifest: Manifest | None, now: float) -> list[str]:
+    """What an operator wants to know about the publish this box will run."""
+    if manifest is None:
+        return [f"no run manifest ({FILENAME}): building with the box's own recipe (bin {recipe.bin!r})"]
+    parts = [f"run {recipe.run_id}" if recipe.run_id else "run manifest without a run id"]
+    if recipe.published_epoch is not None:
+        parts.append(f"published {age(recipe.published_epoch, now)}")
+    if recipe.origin:
+        parts.append(f"from {recipe.origin}")
+    out = [", ".join(parts)]
+    if recipe.built is False:
+        out.append(
+            f"run {recipe.run_id or '(no id)'} was NOT built by the controller (built = false in {FILENAME}): "
+            "this box's build is the first one"
+        )
+    if manifest.unknown:
+        out.append(f"{FILENAME} has keys this fdl-prepare does not know, ignored: {', '.join(manifest.unknown)}")
+    return out
+
+
+def check_box(box: Any) -> None:
+    """The box's own recipe values, checked before anything is fetched: a bad
+    value there is permanent whatever gets published."""
+    if box is None:
+        return
+    for key, allow_dot in (("bin", False), ("cwd", True)):
+        value = getattr(box, key, None)
+        if value is not None:
+            _relative(value, key, False, allow_dot=allow_dot)
+

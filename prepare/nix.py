@@ -1,0 +1,597 @@
+"""The one wrapper around the `nix` command, and what its failures mean.
+
+Every call goes through `Nix`, which holds the flags every call shares:
+
+- `--extra-experimental-features 'nix-command flakes'`: Debian's Nix 2.8 keeps
+  flakes behind the flag, and current Nix accepts it unchanged.
+- `--log-format internal-json`: one `@nix {...}` record per stderr line, so
+  progress (builds, downloads) and errors are read from structure, not text.
+- `--json` results: Nix 2.8 has no `--print-out-paths`.
+- `flake-registry` pointed at an empty registry file under the state
+  directory: otherwise the first flake command downloads the global registry
+  from GitHub, and a box without internet waits on it.
+- `accept-flake-config = false`, and never `--impure`: a flake must not change
+  substituters or read the environment behind the operator's back.
+- `--no-write-lock-file`: the flake may live in a read-only store path, and a
+  prepare must not edit the operator's checkout.
+
+Failures are classified by the *phase* a call belongs to (evaluation, input
+fetch, build) and the error records Nix wrote, never by the exit code beyond
+zero/non-zero: `nix build` exits 1 for a failed builder where `nix-store
+--realise` exits 100, and the daemon and remote builders lose the 1xx codes
+(NixOS/nix #8782, #4813, #12641).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from prepare import proc
+from prepare.fail import Fail, permanent, transient
+
+OLDEST = (2, 8)
+FEATURES = "nix-command flakes"
+INSTALL = (
+    "install Nix: `sudo apt-get install nix-bin` (Debian/Ubuntu), or the installer from "
+    "https://nixos.org/download (`sh <(curl -L https://nixos.org/nix/install) --daemon`)"
+)
+
+# Bounds for calls that have no operator-set limit. Generous: a first fetch
+# of nixpkgs over a slow link takes minutes; they only stop a wedged call
+# (a black-holed TCP connection) from holding a join loop forever.
+EVAL_TIMEOUT_S = 900.0
+FETCH_TIMEOUT_S = 1800.0
+# Past the build limit, Nix's own `timeout` stops the builder and says so;
+# this margin lets it, and covers evaluation and out-link creation, before
+# the wrapper kills nix itself.
+BUILD_GRACE_S = 120.0
+
+# Activity types (nix/src/libutil/logging.hh).
+ACT_COPY_PATH = 100
+ACT_FILE_TRANSFER = 101
+ACT_BUILDS = 104
+ACT_BUILD = 105
+ACT_SUBSTITUTE = 108
+# Result types.
+RES_BUILD_LOG_LINE = 101
+RES_SET_PHASE = 104
+RES_PROGRESS = 105
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
+
+Event = dict[str, Any]
+OnEvent = Callable[[Event], None]
+
+
+def strip_ansi(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+def system() -> str:
+    """The Nix system double of this machine, for attribute paths. Pure
+    evaluation has no `builtins.currentSystem`, so we name it ourselves."""
+    machine = platform.machine().lower()
+    arch = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}.get(machine, machine)
+    kernel = platform.system().lower()
+    return f"{arch}-{kernel}"
+
+
+def store_name(path: str) -> str:
+    """'/nix/store/<hash>-training.drv' -> 'training'."""
+    base = os.path.basename(path)
+    if base.endswith(".drv"):
+        base = base[: -len(".drv")]
+    head, sep, rest = base.partition("-")
+    return rest if sep and len(head) == 32 else base
+
+
+@dataclass
+class Activity:
+    id: int
+    type: int
+    text: str
+    fields: list[Any]
+    parent: int | None
+    started: float
+    stopped: float | None = None
+    phase: str | None = None
+    failed: bool = False
+    done: int = 0
+    expected: int = 0
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=25))
+
+    @property
+    def name(self) -> str:
+        first = self.fields[0] if self.fields else ""
+        if self.type in (ACT_BUILD, ACT_SUBSTITUTE, ACT_COPY_PATH) and isinstance(first, str) and first:
+            return store_name(first)
+        if self.type == ACT_FILE_TRANSFER and isinstance(first, str) and first:
+            return first
+        return strip_ansi(self.text)
+
+
+class Log:
+    """Folds the internal-json records of one nix call into what happened:
+    builds started, bytes transferred, paths substituted, error records.
+
+    Fed from the reader thread of `proc.run`, one stderr line at a time;
+    `on_event` receives the progress events the CLI renders."""
+
+    def __init__(self, on_event: OnEvent | None = None) -> None:
+        self.on_event = on_event
+        self.activities: dict[int, Activity] = {}
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+        # stderr lines that are not records: git's and ssh's own messages
+        # during a fetch, the only place the cause of a failed fetch is named.
+        self.other: deque[str] = deque(maxlen=40)
+        self.fetch_seen = False
+        # The `builds` activity counts failed builds, and Nix bumps the count
+        # before it stops the failed build's own activity: that is how a
+        # build's end is told apart as success or failure while it happens.
+        self.builds_failed = 0
+        self._failed_seen = 0
+
+    # -- reading ---------------------------------------------------------
+    def feed(self, line: str) -> None:
+        line = line.rstrip("\n")
+        if not line.startswith("@nix "):
+            if line.strip():
+                self.other.append(strip_ansi(line))
+            return
+        try:
+            record = json.loads(line[5:])
+        except ValueError:
+            self.other.append(strip_ansi(line))
+            return
+        if isinstance(record, dict):
+            try:
+                self._record(record)
+            except Exception:  # noqa: BLE001 - a malformed record must not kill the reader thread
+                pass
+
+    def _record(self, record: dict[str, Any]) -> None:
+        action = record.get("action")
+        if action == "start":
+            self._start(record)
+        elif action == "stop":
+            self._stop(record)
+        elif action == "result":
+            self._result(record)
+        elif action == "msg":
+            level = record.get("level", 3)
+            text = strip_ansi(str(record.get("msg", ""))).strip()
+            if level == 0 and text and not text.startswith("(use '--show-trace'"):
+                self.errors.append(text)
+            elif level == 1 and text:
+                self.warnings.append(text)
+
+    def _start(self, record: dict[str, Any]) -> None:
+        act = Activity(
+            id=int(record["id"]),
+            type=int(record.get("type", 0)),
+            text=str(record.get("text", "")),
+            fields=list(record.get("fields") or []),
+            parent=record.get("parent"),
+            started=time.monotonic(),
+        )
+        self.activities[act.id] = act
+        low = act.text.lower()
+        if act.type == ACT_FILE_TRANSFER or low.startswith("fetching ") or low.startswith("downloading "):
+            self.fetch_seen = True
+        if act.type == ACT_BUILD:
+            self._emit({"type": "build-start", "id": act.id, "name": act.name, "drv": act.fields[0] if act.fields else None})
+        elif act.type == ACT_FILE_TRANSFER:
+            self._emit({"type": "download-start", "id": act.id, "name": act.name})
+        elif act.type == ACT_SUBSTITUTE:
+            self._emit({"type": "substitute-start", "id": act.id, "name": act.name})
+        elif act.type == 0 and low.startswith("fetching "):
+            self._emit({"type": "download-start", "id": act.id, "name": strip_ansi(act.text)})
+
+    def _stop(self, record: dict[str, Any]) -> None:
+        act = self.activities.get(int(record["id"]))
+        if act is None or act.stopped is not None:
+            return
+        act.stopped = time.monotonic()
+        seconds = round(act.stopped - act.started, 3)
+        if act.type == ACT_BUILD:
+            if self.builds_failed > self._failed_seen:
+                self._failed_seen += 1
+                act.failed = True
+            self._emit({"type": "build-done", "id": act.id, "name": act.name, "seconds": seconds,
+                        "ok": not act.failed})
+        elif act.type == ACT_FILE_TRANSFER or (act.type == 0 and act.text.lower().startswith("fetching ")):
+            self._emit({"type": "download-done", "id": act.id, "name": act.name, "bytes": act.done, "seconds": seconds})
+        elif act.type == ACT_SUBSTITUTE:
+            self._emit({"type": "substitute-done", "id": act.id, "name": act.name, "seconds": seconds})
+
+    def _result(self, record: dict[str, Any]) -> None:
+        act = self.activities.get(int(record.get("id", -1)))
+        if act is None:
+            return
+        kind = record.get("type")
+        fields = record.get("fields") or []
+        if kind == RES_BUILD_LOG_LINE and fields:
+            act.log.append(strip_ansi(str(fields[0])))
+        elif kind == RES_SET_PHASE and fields and act.type == ACT_BUILD:
+            act.phase = str(fields[0])
+            self._emit({"type": "build-phase", "id": act.id, "name": act.name, "phase": act.phase})
+        elif kind == RES_PROGRESS and len(fields) >= 4 and act.type == ACT_BUILDS:
+            self.builds_failed = int(fields[3])
+        elif kind == RES_PROGRESS and len(fields) >= 2 and act.type == ACT_FILE_TRANSFER:
+            act.done, act.expected = int(fields[0]), int(fields[1])
+            self._emit({"type": "download-progress", "id": act.id, "name": act.name,
+                        "done": act.done, "expected": act.expected})
+
+    def _emit(self, event: Event) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:  # noqa: BLE001 - a broken display must not break the build
+                pass
+
+    # -- what happened ---------------------------------------------------
+    def builds(self) -> list[Activity]:
+        return [a for a in self.activities.values() if a.type == ACT_BUILD]
+
+    def transfers(self) -> list[Activity]:
+        return [a for a in self.activities.values() if a.type == ACT_FILE_TRANSFER]
+
+    def substitutions(self) -> list[Activity]:
+        return [a for a in self.activities.values() if a.type == ACT_SUBSTITUTE]
+
+    @property
+    def bytes_downloaded(self) -> int:
+        return sum(a.done for a in self.transfers())
+
+    def error_text(self) -> str:
+        if self.errors:
+            return "\n".join(e.removeprefix("error:").strip() for e in self.errors)
+        return "\n".join(self.other)
+
+    def failed_build(self) -> Activity | None:
+        """The build an error record names, else the last one that started."""
+        text = "\n".join(self.errors)
+        builds = self.builds()
+        for act in builds:
+            if act.failed:
+                return act
+        for act in builds:
+            drv = act.fields[0] if act.fields else None
+            if drv and drv in text:
+                return act
+        return builds[-1] if builds else None
+
+
+# -- classification ---------------------------------------------------------
+
+EVALUATION = "evaluation"
+FETCH = "fetch"
+BUILD = "build"
+
+_HASH_MISMATCH = re.compile(r"hash mismatch in fixed-output derivation|hash mismatch importing path|"
+                            r"NAR hash mismatch|got:\s+sha256", re.IGNORECASE)
+_NO_SPACE = re.compile(r"no space left on device|disk quota exceeded|database or disk is full", re.IGNORECASE)
+_DAEMON = re.compile(r"cannot connect to socket at|cannot connect to daemon|daemon-socket.*(connection refused|"
+                     r"no such file)|unexpected end-of-file|error reading from daemon|connection reset by peer",
+                     re.IGNORECASE)
+_TIMEOUT = re.compile(r"timed out after \d+ seconds", re.IGNORECASE)
+_BUILDER = re.compile(r"builder for .* failed|build of .* failed|dependencies couldn't be built|"
+                      r"dependencies of derivation .* failed to build|cannot build|builder failed",
+                      re.IGNORECASE)
+_FETCH = re.compile(
+    r"unable to download|couldn't connect|could not connect|could not resolve|couldn't resolve|"
+    r"failed to connect|connection refused|connection timed out|timeout was reached|network is unreachable|"
+    r"temporary failure in name resolution|name or service not known|program 'git' failed|unable to access|"
+    r"cannot fetch|failed to fetch|unable to fetch|could not read from remote repository|http error|"
+    r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    category: str  # hash-mismatch, no-space, store-permission, daemon, timeout, builder, fetch, evaluation, unknown
+    permanent: bool
+    detail: str
+
+
+def _store_permission(text: str) -> bool:
+    for line in text.splitlines():
+        low = line.lower()
+        if ("permission denied" in low or "operation not permitted" in low or "read-only file system" in low) and (
+            "/nix/" in line or "big-lock" in low or "store" in low
+        ):
+            return True
+    return False
+
+
+def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
+    """Why a nix call failed, and whether retrying could help.
+
+    Specific causes first (they can surface in any phase: a full store stops
+    a fetch as surely as a build), then the phase decides: an evaluation error
+    is permanent, a failed fetch transient, and in a build call an error with
+    no build started is the evaluation of the overridden flake (permanent)
+    while an error after one is the builder's (transient)."""
+    text = log.error_text()
+    detail = text.strip() or (f"nix exited with status {returncode} and wrote no error" if returncode else "no error text")
+    if _HASH_MISMATCH.search(text):
+        return Diagnosis("hash-mismatch", True, detail)
+    if _NO_SPACE.search(text):
+        return Diagnosis("no-space", True, detail)
+    if _store_permission(text):
+        return Diagnosis("store-permission", True, detail)
+    if _DAEMON.search(text):
+        return Diagnosis("daemon", False, detail)
+    if _TIMEOUT.search(text):
+        return Diagnosis("timeout", False, detail)
+    if phase == BUILD and (_BUILDER.search(text) or (log.builds() and not log.errors)):
+        return Diagnosis("builder", False, detail)
+    if _FETCH.search(text) or _FETCH.search("\n".join(log.other)):
+        return Diagnosis("fetch", False, detail)
+    if not log.errors:
+        # Killed, crashed, or a failure with nothing said: nothing shows it
+        # would fail again.
+        return Diagnosis("unknown", False, detail)
+    if phase == FETCH:
+        return Diagnosis("fetch", False, detail)
+    if phase == BUILD and log.builds():
+        return Diagnosis("builder", False, detail)
+    return Diagnosis("evaluation", True, detail)
+
+
+_FIXES = {
+    "hash-mismatch": "a pinned hash is wrong; retrying fetches the same bytes. Update the hash in the flake "
+                     "(the 'got:' value above) or the pin that produced it",
+    "no-space": "the Nix store's disk is full: free space with `nix-collect-garbage -d` (or `nix-store --gc`) "
+                "or grow the disk, then run again",
+    "store-permission": "this user cannot write the Nix store: run as the store's owner (root on a single-user "
+                        "install) or through the daemon (NIX_REMOTE=daemon, with nix-daemon running)",
+    "daemon": "the Nix daemon is not reachable: `sudo systemctl start nix-daemon.socket nix-daemon`; "
+              "the next attempt retries",
+    "timeout": "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
+               "slow; the next attempt retries",
+    "builder": "the build itself failed: fix the training source and publish again; the next attempt retries",
+    "fetch": "check the network and the URL; the next attempt retries",
+    "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
+    "unknown": "the next attempt retries",
+}
+
+
+def failure(diagnosis: Diagnosis, doing: str, *, fix: str | None = None, extra: str = "") -> Fail:
+    """An operator-facing Fail: what was being done, what Nix said, the fix."""
+    detail = _clip(diagnosis.detail)
+    message = f"{doing} failed: {detail}"
+    if extra:
+        message += f"\n{extra}"
+    message += f"\nFix: {fix or _FIXES[diagnosis.category]}"
+    return Fail(message, permanent=diagnosis.permanent)
+
+
+def _clip(text: str, limit: int = 3000) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[: limit - 20] + "\n... (cut)"
+
+
+# -- the wrapper ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    url: str
+    store_path: str
+    nar_hash: str
+    locked: Mapping[str, Any] | None = None
+
+    @property
+    def pinned_url(self) -> str:
+        """A flake input URL for exactly this tree: a store path with its NAR
+        hash, so the build cannot resolve the source a second time."""
+        from urllib.parse import quote
+
+        return f"path:{self.store_path}?narHash={quote(self.nar_hash, safe='')}"
+
+
+@dataclass
+class Outcome:
+    """A finished nix call: its result and what the log said."""
+
+    completed: proc.Completed
+    log: Log
+
+    @property
+    def ok(self) -> bool:
+        return self.completed.returncode == 0
+
+
+_VERSIONS: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+
+
+class Nix:
+    """The one place `nix` argv is built. `state_dir` holds the empty flake
+    registry; `env` replaces the environment (tests set NIX_CONFIG)."""
+
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        program: str = "nix",
+        env: Mapping[str, str] | None = None,
+        on_event: OnEvent | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.program = program
+        self.env = dict(env) if env is not None else None
+        self.on_event = on_event
+        self.registry = os.path.join(state_dir, "flake-registry.json")
+        self.calls = 0
+
+    # -- flags -------------------------------------------------------------
+    def _common(self) -> list[str]:
+        return [
+            self.program,
+            "--extra-experimental-features", FEATURES,
+            "--log-format", "internal-json",
+            "--option", "flake-registry", self.registry,
+            "--option", "accept-flake-config", "false",
+        ]
+
+    def _ensure_registry(self) -> None:
+        # An empty registry: flake references must be full URLs; nothing is
+        # looked up by name, locally or on the network.
+        if os.path.exists(self.registry):
+            return
+        tmp = f"{self.registry}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write('{"flakes": [], "version": 2}\n')
+        os.replace(tmp, self.registry)
+
+    def _run(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Completed:
+        self.calls += 1
+        try:
+            return proc.run(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
+        except proc.Missing:
+            raise self._missing() from None
+
+    def _missing(self) -> Fail:
+        path = (self.env or os.environ).get("PATH", "")
+        return permanent(f"nix is not installed: {self.program!r} is not on PATH ({path}); {INSTALL}")
+
+    # -- version -------------------------------------------------------------
+    def check_version(self) -> tuple[int, int, int]:
+        """The Nix version, refusing one older than OLDEST. Cached per binary
+        (path, inode, mtime) for the life of the process."""
+        path_var = (self.env or os.environ).get("PATH")
+        resolved = self.program if os.sep in self.program else proc.which(self.program, path=path_var)
+        if resolved is None or not os.path.exists(resolved):
+            raise self._missing()
+        st = os.stat(resolved)
+        key = (os.path.realpath(resolved), st.st_ino, st.st_mtime_ns)
+        version = _VERSIONS.get(key)
+        if version is None:
+            self.calls += 1
+            try:
+                done = proc.run([resolved, "--version"], timeout=60, env=self.env)
+            except proc.Missing:
+                raise self._missing() from None
+            except proc.TimedOut:
+                raise transient(f"`{resolved} --version` did not answer within 60s; the next attempt retries") from None
+            version = parse_version(done.stdout)
+            if done.returncode != 0 or version is None:
+                raise permanent(
+                    f"`{resolved} --version` failed (exit {done.returncode}): "
+                    f"{strip_ansi(done.stderr or done.stdout).strip()[:500]!r}; reinstall nix: {INSTALL}"
+                )
+            _VERSIONS[key] = version
+        if version[:2] < OLDEST:
+            raise permanent(
+                f"nix {'.'.join(map(str, version))} at {resolved} is older than {'.'.join(map(str, OLDEST))}, the "
+                f"oldest fdl-prepare supports (flakes and `nix build --json`); {INSTALL}"
+            )
+        return version
+
+    # -- calls ---------------------------------------------------------------
+    def eval_json(self, installable: str, *, apply: str | None = None, timeout: float = EVAL_TIMEOUT_S,
+                  doing: str | None = None, fix: str | None = None) -> Any:
+        self._ensure_registry()
+        argv = self._common() + ["eval", "--json", "--no-write-lock-file", installable]
+        if apply is not None:
+            argv += ["--apply", apply]
+        outcome = self._call(argv, timeout, doing or f"evaluating {installable}", EVALUATION, fix=fix)
+        try:
+            return json.loads(outcome.completed.stdout)
+        except ValueError:
+            raise permanent(
+                f"{doing or 'evaluating ' + installable}: nix printed no JSON "
+                f"({outcome.completed.stdout[:200]!r}); is the flake's output a plain value?"
+            ) from None
+
+    def prefetch(self, url: str, *, timeout: float = FETCH_TIMEOUT_S, doing: str | None = None,
+                 fix: str | None = None) -> Prefetched:
+        self._ensure_registry()
+        argv = self._common() + ["flake", "prefetch", "--json", url]
+        outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH, fix=fix)
+        try:
+            data = json.loads(outcome.completed.stdout)
+            return Prefetched(url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked"))
+        except (ValueError, KeyError, TypeError):
+            raise transient(
+                f"{doing or 'fetching ' + url}: `nix flake prefetch` printed no store path "
+                f"({outcome.completed.stdout[:200]!r}); the next attempt retries"
+            ) from None
+
+    def build(
+        self,
+        installables: Sequence[str],
+        *,
+        out_link: str | None,
+        overrides: Mapping[str, str] = {},
+        timeout_s: float | None = None,
+        doing: str = "building",
+        fix: str | None = None,
+    ) -> tuple[list[dict[str, Any]], Log]:
+        """`nix build --json` of `installables`, each override an
+        `--override-input NAME URL`. Out-links, where asked, are GC roots
+        named `<out_link>`, `<out_link>-1`, ... in the order Nix picks; the
+        JSON result says which store path each one holds."""
+        self._ensure_registry()
+        argv = self._common() + ["build", "--json", "--no-write-lock-file"]
+        argv += ["--out-link", out_link] if out_link else ["--no-link"]
+        if timeout_s is not None:
+            # Nix's own limit kills the builder and reports the timeout in a
+            # record; the wrapper's limit below is only the backstop.
+            argv += ["--option", "timeout", str(max(1, int(timeout_s)))]
+        for name, url in overrides.items():
+            argv += ["--override-input", name, url]
+        argv += list(installables)
+        wall = None if timeout_s is None else timeout_s + BUILD_GRACE_S
+        outcome = self._call(argv, wall, doing, BUILD, fix=fix)
+        try:
+            results = json.loads(outcome.completed.stdout)
+        except ValueError:
+            raise transient(f"{doing}: nix build printed no JSON result ({outcome.completed.stdout[:200]!r}); "
+                            "the next attempt retries") from None
+        return list(results), outcome.log
+
+    def _call(self, argv: list[str], timeout: float | None, doing: str, phase: str, *,
+              fix: str | None = None) -> Outcome:
+        log = Log(self.on_event)
+        try:
+            completed = self._run(argv, timeout, log)
+        except proc.TimedOut as late:
+            what = "the build" if phase == BUILD else "nix"
+            raise transient(
+                f"{doing} did not finish within {late.timeout:g}s; {what} was stopped. "
+                + ("Raise build_timeout_s (--build-timeout) if the build is legitimately slow; " if phase == BUILD else "")
+                + "the next attempt retries"
+            ) from None
+        outcome = Outcome(completed, log)
+        if not outcome.ok:
+            diagnosis = diagnose(phase, log, completed.returncode)
+            extra = ""
+            if diagnosis.category in ("builder", "timeout"):
+                failed = log.failed_build()
+                if failed is not None and failed.log:
+                    extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
+            raise failure(diagnosis, doing, fix=fix if diagnosis.category in ("evaluation", "fetch") else None,
+                          extra=extra)
+        return outcome
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """`nix (Nix) 2.8.0`, `nix (Determinate Nix 3.6.2) 2.29.0`, `nix (Lix, like
+    Nix) 2.91.1`: the last version number on the first line is Nix's."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    found = _VERSION.findall(first)
+    if not found:
+        return None
+    major, minor, patch = found[-1]
+    return int(major), int(minor), int(patch or 0)
