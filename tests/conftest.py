@@ -1,3 +1,4 @@
 # Fixture plugins, one per real part the tests stand up: kernel mounts, an
 # sshd on loopback, a stand-in libnvidia-ml.so.1.
 pytest_plugins: list[str] = ["mount_fixtures", "sshd_fixtures", "nvml_fixtures"]
+pytest_plugins.append("module_fixtures")

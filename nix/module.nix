@@ -1,0 +1,387 @@
+# services.fdl-prepare: prepare a GPU worker box under systemd's restart loop.
+#
+# The flake wires this as `nixosModules.default = import ./nix/module.nix self;`,
+# so `self` is the flake: its package is the default front end and its own store
+# path is the default flake the front end builds from.
+#
+# The unit is the whole retry policy; fdl-prepare itself never loops. It exits
+# 0 (prepared), 75 (transient: the far side of a mount is down, nothing is
+# published yet, a build failed) or 78 (permanent: no GPU, a spec that does not
+# parse). systemd retries the first with a growing delay and stops on the
+# second, so a box that can never train fails loudly once instead of
+# hot-looping, and a box waiting on a controller keeps trying forever.
+self:
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+
+let
+  inherit (lib)
+    mkEnableOption
+    mkOption
+    mkIf
+    mkDefault
+    types
+    literalExpression
+    ;
+
+  cfg = config.services.fdl-prepare;
+  join = cfg.settings.join;
+
+  settingsFormat = pkgs.formats.toml { };
+
+  # TOML has no null: an unset typed option must vanish from the file rather
+  # than reach the renderer, and a table left empty by that is dropped too so
+  # the file holds exactly what the operator set.
+  prune =
+    value:
+    if builtins.isAttrs value then
+      lib.filterAttrs (_: v: !(builtins.isAttrs v && v == { })) (
+        lib.mapAttrs (_: prune) (lib.filterAttrs (_: v: v != null) value)
+      )
+    else
+      value;
+
+  # The store path of this file changes with every settings change, and it is
+  # on ExecStart, so a changed setting always yields a changed unit.
+  configFile = settingsFormat.generate "fdl-prepare.toml" (prune cfg.settings);
+
+  # Exit statuses of fdl-prepare (prepare/cli.py). 78 is a permanent failure;
+  # 2 is a usage error, which for a generated command line means the module
+  # and the package disagree about flags: retrying cannot fix either.
+  exitPermanent = 78;
+  exitUsage = 2;
+
+  systemdAtLeast = v: lib.versionAtLeast (lib.getVersion config.systemd.package) v;
+
+  isSshfs = join.data_source != null && lib.hasPrefix "sshfs://" join.data_source;
+  sshOptions = if join.ssh.options == null then [ ] else join.ssh.options;
+  hasIdentityOption = lib.any (o: builtins.match "[[:space:]]*[Ii][Dd][Ee][Nn][Tt][Ii][Tt][Yy][Ff][Ii][Ll][Ee][[:space:]=].*" o != null) sshOptions;
+
+  flakeDefault = "path:${self}" + lib.optionalString (self ? narHash) "?narHash=${self.narHash}";
+
+  nullOrStr = description: example: mkOption {
+    type = types.nullOr types.str;
+    default = null;
+    inherit description example;
+  };
+
+  sshSubmodule = types.submodule {
+    freeformType = settingsFormat.type;
+    options = {
+      target = nullOrStr "ssh target of the controller tunnel (`[join.ssh] target`)." "controller.example";
+      port = mkOption {
+        type = types.nullOr types.port;
+        default = null;
+        description = "ssh port (`[join.ssh] port`).";
+      };
+      user = nullOrStr "ssh user (`[join.ssh] user`)." "worker";
+      identity_file = mkOption {
+        # A string, not a path: a Nix path literal would copy the private key
+        # into the world-readable store.
+        type = types.nullOr types.str;
+        default = null;
+        example = "/var/lib/fdl-prepare/id_ed25519";
+        description = ''
+          Private key for ssh and the sshfs mount, as an absolute path outside
+          the Nix store (provision it with agenix, sops-nix or by hand). The
+          unit runs with BatchMode=yes: a key with a passphrase fails instead
+          of waiting for a prompt nobody answers.
+        '';
+      };
+      options = mkOption {
+        type = types.nullOr (types.listOf types.str);
+        default = null;
+        example = [ "StrictHostKeyChecking=accept-new" ];
+        description = ''
+          ssh `-o` options, placed first on every ssh/sshfs command line:
+          OpenSSH keeps the first value it sees, so these win.
+        '';
+      };
+    };
+  };
+
+  sourceSubmodule = types.submodule {
+    freeformType = settingsFormat.type;
+    options = {
+      from = nullOrStr ''
+        The training source as a flake URL. A git source needs a `ref` or
+        `rev`: a floating default branch is not a pin.
+      '' "git+https://git.example/train.git?ref=main";
+      cwd = nullOrStr "Directory inside the source the build and the run use." ".";
+      build = nullOrStr "Build line for the source." "cargo build --release";
+      bin = nullOrStr "The training binary the build installs." "train";
+    };
+  };
+
+  joinSubmodule = types.submodule {
+    freeformType = settingsFormat.type;
+    options = {
+      data_source = nullOrStr ''
+        Dataset source root, `sshfs://[user@]host[:port]/abs/path`, mounted
+        read-only at `data_path`. A far side that is down is a transient
+        failure: the unit retries until it comes up.
+      '' "sshfs://data@storage.example:/srv/datasets/imagenet";
+      data_path = nullOrStr ''
+        Absolute dataset root: where `data_source` is mounted (default
+        /flodl/data), or, with no `data_source`, a root provisioning already
+        placed, which must be a listable directory.
+      '' "/flodl/data";
+      libtorch = nullOrStr ''
+        libtorch variant: `auto` (chosen from this box's cards and driver), or
+        a label the flake provides (`cpu`, `cu128`, ...). Null builds no
+        libtorch.
+      '' "auto";
+      devices = mkOption {
+        type = types.nullOr (types.listOf types.ints.unsigned);
+        default = null;
+        example = [ 0 1 ];
+        description = "GPU indices this box offers, after CUDA_VISIBLE_DEVICES.";
+      };
+      cpu_only = mkOption {
+        type = types.bool;
+        default = false;
+        description = ''
+          Skip the GPU gate (CPU-only workers, demos). Only the `cpu` libtorch
+          variant is then allowed.
+        '';
+      };
+      ssh = mkOption {
+        type = sshSubmodule;
+        default = { };
+        description = "The `[join.ssh]` table.";
+      };
+      source = mkOption {
+        type = sourceSubmodule;
+        default = { };
+        description = ''
+          The box's own recipe (`[join.source]`). A run manifest published in
+          the source tree outranks every field it sets.
+        '';
+      };
+    };
+  };
+in
+{
+  options.services.fdl-prepare = {
+    enable = mkEnableOption "fdl-prepare, which gets this box ready for training before it dials a controller";
+
+    package = mkOption {
+      type = types.package;
+      default = self.packages.${pkgs.stdenv.hostPlatform.system}.default;
+      defaultText = literalExpression "fdl-prepare from this flake";
+      description = "The fdl-prepare front end (its `bin/fdl-prepare` is run).";
+    };
+
+    flake = mkOption {
+      type = types.nullOr types.str;
+      default = flakeDefault;
+      defaultText = literalExpression ''"path:''${self}?narHash=..." (this flake, pinned)'';
+      example = "github:example/fleet";
+      description = ''
+        Flake providing the libtorch variants and the training build, written
+        to `[join] flake` in the config file. The default is this flake's own
+        store path, so a box builds with exactly the flake it was deployed
+        from. Null leaves the choice to the front end.
+      '';
+    };
+
+    settings = mkOption {
+      type = types.submodule {
+        freeformType = settingsFormat.type;
+        options.join = mkOption {
+          type = joinSubmodule;
+          default = { };
+          description = "The `[join]` table.";
+        };
+      };
+      default = { };
+      example = literalExpression ''
+        {
+          join = {
+            data_source = "sshfs://data@storage.example:/srv/datasets/imagenet";
+            libtorch = "auto";
+            ssh.identity_file = "/var/lib/fdl-prepare/id_ed25519";
+            source.from = "git+https://git.example/train.git?ref=main";
+          };
+        }
+      '';
+      description = ''
+        fdl-prepare's config file as Nix, rendered to TOML and passed with
+        `--config`. Unset (null) options are left out of the file. Keys the
+        front end does not know are a permanent failure at start (exit 78),
+        naming the nearest valid key.
+      '';
+    };
+
+    before = mkOption {
+      type = types.listOf types.str;
+      default = [ ];
+      example = [ "fdl-join.service" ];
+      description = ''
+        Units that must only run on a prepared box, typically the join unit
+        that dials the controller. Each gets `After=` and `Requires=` on
+        fdl-prepare.service, so:
+
+        - starting it starts preparation first and waits for it;
+        - a permanent failure fails its start ("Dependency failed");
+        - when preparation is restarted (a settings change on
+          `nixos-rebuild switch`), it is restarted after the new preparation.
+
+        A transient failure also fails its pending start, and systemd does not
+        start it again when a later retry succeeds (systemd issue #18856), so
+        a successful preparation starts these units itself
+        (`systemctl start --no-block`). A unit that only wants a prepared box
+        when there is one should instead declare `after` and `wants` on
+        fdl-prepare.service itself and leave this empty.
+      '';
+    };
+
+    sshAuthSock = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "/run/fdl-prepare/agent.sock";
+      description = ''
+        An ssh-agent socket the service may use (`SSH_AUTH_SOCK`), instead of
+        `settings.join.ssh.identity_file`. A system service sees no user's
+        agent unless it is named here.
+      '';
+    };
+  };
+
+  config = mkIf cfg.enable {
+    services.fdl-prepare.settings.join.flake = mkIf (cfg.flake != null) (mkDefault cfg.flake);
+
+    assertions = [
+      {
+        assertion = !isSshfs || join.ssh.identity_file != null || hasIdentityOption || cfg.sshAuthSock != null;
+        message = ''
+          services.fdl-prepare.settings.join.data_source is an sshfs source (${toString join.data_source}),
+          but the service has no way to authenticate: set
+          services.fdl-prepare.settings.join.ssh.identity_file to a private key outside the Nix store,
+          or services.fdl-prepare.sshAuthSock to an ssh-agent socket. The mount runs with BatchMode=yes,
+          so it cannot ask for a password.
+        '';
+      }
+      {
+        assertion = !join.cpu_only || builtins.elem join.libtorch [ null "auto" "cpu" ];
+        message = ''
+          services.fdl-prepare.settings.join.cpu_only = true allows only the cpu libtorch variant,
+          but services.fdl-prepare.settings.join.libtorch = "${toString join.libtorch}".
+          Set services.fdl-prepare.settings.join.libtorch = "cpu" (or "auto"), or drop cpu_only.
+        '';
+      }
+      {
+        assertion = join.ssh.identity_file == null || (lib.hasPrefix "/" join.ssh.identity_file && !lib.hasPrefix builtins.storeDir join.ssh.identity_file);
+        message = ''
+          services.fdl-prepare.settings.join.ssh.identity_file = "${toString join.ssh.identity_file}" must be an
+          absolute path outside ${builtins.storeDir} (the store is world-readable); provision the key with
+          agenix or sops-nix, e.g. to /var/lib/fdl-prepare/id_ed25519.
+        '';
+      }
+      {
+        assertion = join.data_path == null || lib.hasPrefix "/" join.data_path;
+        message = ''
+          services.fdl-prepare.settings.join.data_path = "${toString join.data_path}" is not absolute;
+          give the absolute dataset root, e.g. "/flodl/data".
+        '';
+      }
+      {
+        assertion = lib.all (u: builtins.match "[a-zA-Z0-9@%:_.\\-]+[.](service|socket|target|path|timer|mount)" u != null) cfg.before;
+        message = ''
+          services.fdl-prepare.before takes full unit names (e.g. "fdl-join.service"), got
+          ${builtins.toJSON cfg.before}.
+        '';
+      }
+    ];
+
+    systemd.services.fdl-prepare = {
+      description = "Prepare this box for training (GPU gate, dataset root, libtorch and training build)";
+      # Fetching the source and mounting sshfs need the network up, not just
+      # configured; every build goes through the daemon's socket.
+      wants = [ "network-online.target" ];
+      after = [
+        "network-online.target"
+        "nix-daemon.socket"
+      ];
+      before = cfg.before;
+      requiredBy = cfg.before;
+      # A box prepares at boot even with nothing depending on it, so it is
+      # ready before anything dials. Targets order themselves after what they
+      # want, so boot is "finished" only after the first attempt.
+      wantedBy = [ "multi-user.target" ];
+
+      # nix must be the system's own (the daemon's protocol); fuse for
+      # fusermount on the sshfs mountpoint, openssh under sshfs and git+ssh
+      # fetches, git for git sources.
+      path = [
+        config.nix.package
+        pkgs.sshfs
+        pkgs.fuse3
+        pkgs.fuse
+        pkgs.openssh
+        pkgs.git
+      ];
+
+      environment = lib.optionalAttrs (cfg.sshAuthSock != null) { SSH_AUTH_SOCK = cfg.sshAuthSock; };
+
+      # ExecStart names the config file by store path, so any settings (or
+      # package) change rewrites the unit, and switch-to-configuration
+      # restarts a changed unit: that is how `nixos-rebuild switch`
+      # re-prepares a box. restartTriggers would only repeat what ExecStart
+      # already carries. stopIfChanged = false makes it one `restart` after
+      # activation instead of stop-before/start-after, so the units in
+      # `before` are restarted behind the new preparation (Requires=
+      # propagates restarts) instead of left stopped.
+      restartIfChanged = true;
+      stopIfChanged = false;
+
+      unitConfig = {
+        # Every auto-restart counts as a start; with the default limit (5 in
+        # 10 s) systemd would eventually give up on a box that is only waiting
+        # for its controller. 0 disables the limit.
+        StartLimitIntervalSec = 0;
+      };
+
+      serviceConfig = {
+        # oneshot + RemainAfterExit: the unit is "active" only once prepared,
+        # so other units can order after that state. systemd accepts
+        # Restart=on-failure for Type=oneshot since v244 (systemd PR #13754);
+        # older releases refuse the unit.
+        Type = "oneshot";
+        RemainAfterExit = true;
+        ExecStart = "${lib.getExe' cfg.package "fdl-prepare"} --config ${configFile}";
+        ExecStartPost = mkIf (cfg.before != [ ]) [
+          "${lib.getExe' config.systemd.package "systemctl"} start --no-block -- ${lib.concatStringsSep " " cfg.before}"
+        ];
+
+        # 75 (transient) and anything unexpected retry; 78 (permanent) and 2
+        # (usage) stop the loop and leave the unit failed for a person.
+        Restart = "on-failure";
+        RestartSec = mkDefault "10s";
+        RestartPreventExitStatus = "${toString exitUsage} ${toString exitPermanent}";
+
+        # The start job has no timeout for a oneshot: a cold build may take
+        # long, and fdl-prepare bounds stuck listings and builds itself.
+
+        # root: FUSE mounts, the nix daemon's trusted user, and User= makes
+        # systemd set HOME (the dataset cache lives under $HOME/.flodl).
+        User = "root";
+        # /var/lib/fdl-prepare, passed as $STATE_DIRECTORY: GC roots for the
+        # built libtorch and training binary live here, so a garbage
+        # collection never deletes what a run is using.
+        StateDirectory = "fdl-prepare";
+        StateDirectoryMode = "0750";
+      }
+      # Exponential backoff arrived in systemd 254; older releases would log
+      # "Unknown key" and keep the fixed RestartSec.
+      // lib.optionalAttrs (systemdAtLeast "254") {
+        RestartSteps = mkDefault 8;
+        RestartMaxDelaySec = mkDefault "10min";
+      };
+    };
+  };
+}

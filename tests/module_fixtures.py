@@ -1,0 +1,195 @@
+"""Evaluating nix/module.nix with nixpkgs' real `lib` and real Nix.
+
+The lib comes from a local copy of nix-community/nixpkgs.lib named by
+NIXPKGS_LIB (the `lib` directory itself; never committed). Without it, or
+without `nix-instantiate`, the tests that need it skip and say why.
+
+tests/module_eval.nix holds the stand-ins for the NixOS options the module
+sets; its packages live under a per-test `fake_root`, where this fixture
+links the host's real executables (the console script, nix, sshfs, ssh,
+fusermount, git, systemctl) so the unit's ExecStart and PATH can be run and
+verified as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+HARNESS = REPO / "tests" / "module_eval.nix"
+MODULE = REPO / "nix" / "module.nix"
+
+NIX_CONFIG = "substituters =\nexperimental-features = nix-command flakes\n"
+
+# What each stand-in package provides on the unit's PATH, from the host.
+LINKED: dict[str, tuple[str, ...]] = {
+    "nix": ("nix", "nix-store", "nix-instantiate", "nix-build"),
+    "sshfs": ("sshfs",),
+    "fuse3": ("fusermount3",),
+    "fuse": ("fusermount",),
+    "openssh": ("ssh",),
+    "git": ("git",),
+    "systemd": ("systemctl",),
+}
+
+
+def console_script() -> list[str]:
+    """The installed `fdl-prepare`, as systemd would run it."""
+    beside = Path(sys.executable).parent / "fdl-prepare"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("fdl-prepare")
+    if found is not None:
+        return [found]
+    return [sys.executable, "-m", "prepare"]
+
+
+@dataclass
+class Evaluated:
+    """One evaluation of the module: the failed assertions' messages and the
+    fdl-prepare service as NixOS would hold it (None when not enabled)."""
+
+    failed_assertions: list[str]
+    service: dict[str, Any] | None
+    settings: dict[str, Any]
+    systemd_version: str
+    fake_root: Path
+
+    @property
+    def service_config(self) -> dict[str, Any]:
+        assert self.service is not None, "the module defined no fdl-prepare service"
+        return self.service["serviceConfig"]
+
+    @property
+    def unit_config(self) -> dict[str, Any]:
+        assert self.service is not None, "the module defined no fdl-prepare service"
+        return self.service["unitConfig"]
+
+    @property
+    def exec_start(self) -> list[str]:
+        return shlex.split(self.service_config["ExecStart"])
+
+    @property
+    def config_path(self) -> Path:
+        argv = self.exec_start
+        return Path(argv[argv.index("--config") + 1])
+
+    @property
+    def path_entries(self) -> list[str]:
+        assert self.service is not None
+        return self.service["environment"]["PATH"].split(":")
+
+    @property
+    def prevent_exit_statuses(self) -> set[int]:
+        return {int(x) for x in str(self.service_config["RestartPreventExitStatus"]).split()}
+
+
+@dataclass
+class ModuleEvaluator:
+    lib: Path
+    fake_root: Path
+    work: Path
+    store_paths: set[str] = field(default_factory=set)
+    count: int = 0
+
+    def __call__(self, configuration: str, *, systemd_version: str = "256.8") -> Evaluated:
+        """Evaluate the module with `configuration`, the body of a NixOS module
+        (Nix text, e.g. `{ services.fdl-prepare.enable = true; }`)."""
+        self.count += 1
+        host = self.work / f"host-{self.count}.nix"
+        host.write_text(configuration)
+        argv = [
+            "nix-instantiate",
+            # The rendered config file must really be written to the store, so
+            # the CLI can load it and the ExecStart can run.
+            "--read-write-mode",
+            "--eval",
+            "--strict",
+            "--json",
+            str(HARNESS),
+            "--argstr", "libPath", str(self.lib),
+            "--argstr", "configuration", str(host),
+            "--argstr", "fakeRoot", str(self.fake_root),
+            "--argstr", "systemdVersion", systemd_version,
+        ]
+        env = dict(os.environ, NIX_CONFIG=NIX_CONFIG)
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+        if done.returncode != 0:
+            raise EvalError(done.stderr)
+        raw = json.loads(done.stdout)
+        self.store_paths.update(re.findall(r"/nix/store/[0-9a-z]{32}-[^\s\"']+", done.stdout))
+        return Evaluated(
+            failed_assertions=raw["failedAssertions"],
+            service=raw["service"],
+            settings=raw["settings"],
+            systemd_version=raw["systemdVersion"],
+            fake_root=self.fake_root,
+        )
+
+    def cleanup(self) -> None:
+        # Unrooted, content-addressed files; removing them keeps repeated runs
+        # (each with its own fake root in the text) from piling up in the store.
+        for path in sorted(self.store_paths):
+            subprocess.run(["nix-store", "--delete", path], capture_output=True, timeout=60)
+
+
+class EvalError(Exception):
+    """nix-instantiate refused the configuration (a type error, a throw)."""
+
+
+@pytest.fixture(scope="session")
+def nixpkgs_lib() -> Path:
+    value = os.environ.get("NIXPKGS_LIB")
+    if not value:
+        pytest.skip(
+            "NIXPKGS_LIB is not set: point it at the lib/ directory of a nix-community/nixpkgs.lib "
+            "checkout to evaluate the NixOS module"
+        )
+    lib = Path(value)
+    if not (lib / "default.nix").is_file():
+        pytest.skip(f"NIXPKGS_LIB={value} has no default.nix: it must name nixpkgs' lib/ directory")
+    if shutil.which("nix-instantiate") is None:
+        pytest.skip("nix-instantiate is not installed (apt install nix-bin)")
+    return lib
+
+
+@pytest.fixture
+def fake_root(tmp_path: Path) -> Path:
+    root = tmp_path / "pkgs"
+    (root / "fdl-prepare" / "bin").mkdir(parents=True)
+    script = console_script()
+    target = root / "fdl-prepare" / "bin" / "fdl-prepare"
+    if len(script) == 1:
+        target.symlink_to(script[0])
+    else:
+        target.write_text(f"#!/bin/sh\nexec {shlex.join(script)} \"$@\"\n")
+        target.chmod(0o755)
+    for package, programs in LINKED.items():
+        bin_dir = root / package / "bin"
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        for program in programs:
+            found = shutil.which(program)
+            if found is not None:
+                (bin_dir / program).symlink_to(found)
+    (root / "flake-source").mkdir()
+    return root
+
+
+@pytest.fixture
+def evaluate_module(nixpkgs_lib: Path, fake_root: Path, tmp_path: Path) -> Iterator[ModuleEvaluator]:
+    work = tmp_path / "eval"
+    work.mkdir()
+    evaluator = ModuleEvaluator(lib=nixpkgs_lib, fake_root=fake_root, work=work)
+    yield evaluator
+    evaluator.cleanup()
