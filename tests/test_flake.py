@@ -1,0 +1,388 @@
+"""The flake contract itself (nix/CONTRACT.md), exercised with real Nix.
+
+The test flake (tests/flake) and the production flake share nix/contract.nix
+and nix/libtorch.nix; these tests evaluate and build through the test flake,
+and evaluate the production flake's wiring against a nixpkgs stand-in
+(tests/flake/nixpkgs-standin.nix with nixpkgs' real lib/ from NIXPKGS_LIB),
+since Nix 2.8 cannot evaluate current nixpkgs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "trainer"
+SYSTEM = {"x86_64": "x86_64-linux", "aarch64": "aarch64-linux"}.get(os.uname().machine, "x86_64-linux")
+FDL = f"legacyPackages.{SYSTEM}.fdl"
+CU128_ARCHS = ["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
+# --no-eval-cache as the runner passes it: Nix 2.8 answers a repeated failing
+# evaluation from its cache with "'…' is not an attribute set", hiding the
+# message (nix/CONTRACT.md).
+FLAGS = ["--extra-experimental-features", "nix-command flakes", "--no-eval-cache"]
+
+
+@pytest.fixture
+def env(nix_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """nix_env plus a local, empty flake registry (Nix 2.8 would otherwise
+    download the global one) and no sandbox (the test toolchain runs the
+    host's /bin/sh)."""
+    registry = tmp_path / "registry.json"
+    registry.write_text('{"flakes":[],"version":2}')
+    config = nix_env.get("NIX_CONFIG", "") + f"\nflake-registry = {registry}\nsandbox = false\n"
+    return {**nix_env, "NIX_CONFIG": config}
+
+
+def nix(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["nix", *FLAGS, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def nix_json(env: dict[str, str], *args: str) -> object:
+    done = nix(env, *args, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def prefetch(env: dict[str, str], tree: Path) -> str:
+    """The locked flake URL of a tree, the way the runner pins a source."""
+    found = nix_json(env, "flake", "prefetch", f"path:{tree}")
+    return f"path:{found['storePath']}?narHash={found['hash']}"
+
+
+def write_recipe(directory: Path, **recipe: object) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "recipe.json").write_text(json.dumps({"contract": 1, **recipe}))
+    return f"path:{directory}"
+
+
+def overrides(source: str, recipe: str) -> list[str]:
+    return ["--no-write-lock-file", "--override-input", "source", source, "--override-input", "recipe", recipe]
+
+
+def example_recipe() -> dict[str, object]:
+    manifest = tomllib.loads((EXAMPLE / ".fdl-run.toml").read_text())
+    return {"libtorch": "cpu", **{key: manifest[key] for key in ("cwd", "build", "bin")}}
+
+
+def build_events(stderr: str) -> list[dict]:
+    events = []
+    for line in stderr.splitlines():
+        if line.startswith("@nix "):
+            events.append(json.loads(line[len("@nix ") :]))
+    return events
+
+
+def sri_sha256(data: bytes) -> str:
+    return "sha256-" + base64.b64encode(hashlib.sha256(data).digest()).decode()
+
+
+# --- metadata ---------------------------------------------------------------
+
+
+def test_the_variants_metadata_has_the_contract_shape(env, test_flake):
+    got = nix_json(env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply",
+                   "f: { inherit (f) contract variants; }")
+
+    assert got["contract"] == 1
+    assert got["variants"] == {
+        "cpu": {"label": "cpu", "cuda": None, "archs": []},
+        "cu128": {"label": "cu128", "cuda": "12.8", "archs": CU128_ARCHS},
+    }
+
+
+def test_reading_the_variants_instantiates_no_derivation(env, make_flake):
+    flake = make_flake(extra_nix='toolchain: { lazy = { cuda = null; archs = [ "8.6" ]; '
+                                 'package = throw "the lazy variant was instantiated"; }; }')
+
+    got = nix_json(env, "eval", "--no-write-lock-file", f"{flake}#{FDL}.variants")
+    building = nix(env, "build", "--no-link", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.lazy")
+
+    assert got["lazy"] == {"label": "lazy", "cuda": None, "archs": ["8.6"]}
+    assert building.returncode != 0
+    assert "the lazy variant was instantiated" in building.stderr
+
+
+def test_a_variant_with_malformed_archs_is_refused_naming_it(env, make_flake):
+    flake = make_flake(extra_nix="toolchain: { sm86 = { cuda = \"12.8\"; archs = [ 86 ]; "
+                                 "package = toolchain.mkLibtorch { label = \"sm86\"; }; }; }")
+
+    done = nix(env, "eval", "--json", "--no-write-lock-file", f"{flake}#{FDL}.variants")
+
+    assert done.returncode != 0
+    assert 'variant "sm86"' in done.stderr and "archs" in done.stderr
+
+
+# --- recipe -----------------------------------------------------------------
+
+
+def test_a_recipe_without_bin_is_refused_at_evaluation_naming_bin(env, test_flake, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", cwd=".", build=None)
+
+    done = nix(env, "build", "--no-link", f"{test_flake}#{FDL}.training",
+               *overrides(prefetch(env, EXAMPLE), recipe))
+
+    assert done.returncode != 0
+    assert "fdl-prepare flake: recipe.json has no `bin`" in done.stderr
+    assert ".fdl-run.toml" in done.stderr and "[join.source]" in done.stderr
+    assert "building '" not in done.stderr
+
+
+def test_an_unknown_variant_is_refused_listing_the_flakes_variants(env, test_flake, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cu999", bin="train")
+
+    done = nix(env, "eval", "--json", f"{test_flake}#{FDL}.recipe", *overrides(prefetch(env, EXAMPLE), recipe))
+
+    assert done.returncode != 0
+    assert 'unknown libtorch variant "cu999"' in done.stderr
+    assert "cpu, cu128" in done.stderr
+
+
+def test_the_flake_reports_the_recipe_with_its_defaults_filled_in(env, test_flake, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cu128", bin="train")
+
+    got = nix_json(env, "eval", f"{test_flake}#{FDL}.recipe", *overrides(prefetch(env, EXAMPLE), recipe))
+
+    assert got == {"contract": 1, "libtorch": "cu128", "cwd": ".", "build": None, "bin": "train"}
+
+
+# --- builds -----------------------------------------------------------------
+
+
+def test_the_example_trainer_builds_and_its_binary_runs(env, test_flake, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe", **example_recipe())
+    link = tmp_path / "gcroots" / "run"
+
+    built = nix_json(env, "build", "--out-link", str(link), f"{test_flake}#{FDL}.libtorch.cpu",
+                     f"{test_flake}#{FDL}.training", *overrides(prefetch(env, EXAMPLE), recipe))
+    libtorch, training = (entry["outputs"]["out"] for entry in built)
+    ran = subprocess.run([f"{training}/bin/train", "--epochs", "1"], capture_output=True, text=True, timeout=10)
+
+    assert ran.returncode == 0, ran.stderr
+    assert f"built against libtorch 'cpu' at {libtorch}" in ran.stdout
+    assert "args: --epochs 1" in ran.stdout
+    assert os.readlink(link) == libtorch and os.readlink(f"{link}-1") == training
+    assert (Path(libtorch) / "lib").is_dir()
+
+
+def test_a_second_build_with_nothing_changed_builds_nothing(env, test_flake, tmp_path):
+    recipe = write_recipe(tmp_path / "recipe", **example_recipe())
+    args = ["build", "--json", "--no-link", "--log-format", "internal-json", f"{test_flake}#{FDL}.training",
+            *overrides(prefetch(env, EXAMPLE), recipe)]
+
+    first = nix(env, *args)
+    second = nix(env, *args)
+
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    assert json.loads(first.stdout) == json.loads(second.stdout)
+    started = [e for e in build_events(second.stderr) if e.get("action") == "start" and e.get("type") in (101, 105)]
+    assert started == []
+
+
+def test_a_build_line_that_exits_3_fails_the_build_with_exit_code_3(env, test_flake, tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "build.sh").write_text("echo failing on purpose >&2\nexit 3\n")
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", build="/bin/sh build.sh", bin="train")
+
+    done = nix(env, "build", "--no-link", f"{test_flake}#{FDL}.training", *overrides(prefetch(env, source), recipe))
+
+    assert done.returncode != 0
+    assert "failed with exit code 3" in done.stderr
+    assert "the build line exited 3" in done.stderr
+
+
+def test_the_toolchains_fixed_output_helper_checks_its_hash(env, make_flake):
+    right, wrong = sri_sha256(b"hello"), sri_sha256(b"not hello")
+    flake = make_flake(extra_nix=(
+        "toolchain: {\n"
+        f'  good = {{ cuda = null; archs = [ ]; package = toolchain.fixedOutput {{ name = "good"; text = "hello"; hash = "{right}"; }}; }};\n'
+        f'  bad = {{ cuda = null; archs = [ ]; package = toolchain.fixedOutput {{ name = "bad"; text = "hello"; hash = "{wrong}"; }}; }};\n'
+        "}\n"
+    ))
+
+    good = nix(env, "build", "--no-link", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.good")
+    bad = nix(env, "build", "--no-link", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.bad")
+
+    assert good.returncode == 0, good.stderr
+    assert bad.returncode != 0
+    assert "hash mismatch in fixed-output derivation" in bad.stderr
+    assert right in bad.stderr
+
+
+# --- references and layouts -------------------------------------------------
+
+
+def test_the_test_flake_evaluates_from_the_repository_through_git(env):
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "tests/flake/flake.nix", "nix/contract.nix"],
+                             capture_output=True, text=True).stdout.split()
+    if len(tracked) < 2:
+        pytest.skip("tests/flake and nix/ are not tracked yet: git+file sees tracked files only")
+
+    got = nix_json(env, "eval", "--no-write-lock-file", f"git+file://{REPO}?dir=tests/flake#{FDL}.variants")
+
+    assert got["cu128"]["archs"] == CU128_ARCHS
+
+
+def test_a_layout_preserving_copy_referenced_as_path_says_how_to_reference_it(env, tmp_path):
+    shutil.copytree(REPO / "tests" / "flake", tmp_path / "tests" / "flake")
+    shutil.copytree(REPO / "nix", tmp_path / "nix")
+
+    done = nix(env, "eval", "--json", "--no-write-lock-file", f"path:{tmp_path}/tests/flake#{FDL}.contract")
+
+    assert done.returncode != 0
+    assert "git+file://<repo>?dir=tests/flake" in done.stderr
+
+
+def test_the_example_manifest_parses_with_every_field_typed():
+    manifest = tomllib.loads((EXAMPLE / ".fdl-run.toml").read_text())
+
+    assert set(manifest) == {"bin", "cwd", "build", "args", "run", "built", "published_epoch", "origin"}
+    assert isinstance(manifest["bin"], str) and manifest["bin"]
+    assert isinstance(manifest["cwd"], str) and (EXAMPLE / manifest["cwd"]).is_dir()
+    assert isinstance(manifest["build"], str)
+    assert isinstance(manifest["args"], list) and all(isinstance(a, str) for a in manifest["args"])
+    assert isinstance(manifest["run"], str) and manifest["run"]
+    assert isinstance(manifest["built"], bool)
+    assert isinstance(manifest["published_epoch"], int) and not isinstance(manifest["published_epoch"], bool)
+    assert isinstance(manifest["origin"], str)
+
+
+# --- the production flake's wiring ------------------------------------------
+
+
+@pytest.fixture
+def production(tmp_path: Path) -> str:
+    """A copy of what the production flake reads from this repository."""
+    dest = tmp_path / "production"
+    dest.mkdir()
+    shutil.copy(REPO / "flake.nix", dest / "flake.nix")
+    shutil.copytree(REPO / "nix", dest / "nix")
+    shutil.copy(REPO / "pyproject.toml", dest / "pyproject.toml")
+    return f"path:{dest}"
+
+
+def standin(tmp_path: Path, default_nix: str, lib: Path | None = None) -> str:
+    dest = tmp_path / "nixpkgs"
+    dest.mkdir()
+    (dest / "flake.nix").write_text("{ outputs = _: { }; }\n")
+    (dest / "default.nix").write_text(default_nix)
+    if lib is not None:
+        shutil.copytree(lib, dest / "lib")
+    return f"path:{dest}"
+
+
+@pytest.fixture
+def nixpkgs_lib() -> Path:
+    value = os.environ.get("NIXPKGS_LIB")
+    if not value:
+        pytest.skip("NIXPKGS_LIB is not set: point it at the lib/ directory of a nix-community/nixpkgs.lib checkout")
+    lib = Path(value)
+    if not (lib / "default.nix").is_file():
+        pytest.skip(f"NIXPKGS_LIB={value} has no default.nix: it must name nixpkgs' lib/ directory")
+    return lib
+
+
+@pytest.fixture
+def nixpkgs(tmp_path: Path, nixpkgs_lib: Path) -> str:
+    return standin(tmp_path, (REPO / "tests" / "flake" / "nixpkgs-standin.nix").read_text(), nixpkgs_lib)
+
+
+def test_the_production_flake_reads_its_variants_without_importing_nixpkgs(env, production, test_flake, tmp_path):
+    throwing = standin(tmp_path, 'throw "nixpkgs was imported"\n')
+    apply = "f: { inherit (f) contract variants; }"
+
+    got = nix_json(env, "eval", "--no-write-lock-file", f"{production}#{FDL}", "--apply", apply,
+                   "--override-input", "nixpkgs", throwing)
+    shared = nix_json(env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply", apply)
+
+    assert got == shared
+
+
+def test_the_production_libtorch_is_2_7_0_from_pytorchs_archives(env, production, nixpkgs):
+    apply = "d: { inherit (d) version cudaSupport; url = d.src.url; }"
+    common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
+    if SYSTEM != "x86_64-linux":
+        pytest.skip("the production flake is wired for x86_64-linux only")
+
+    cpu = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cpu", "--apply", apply, *common)
+    cu128 = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cu128", "--apply", apply, *common)
+
+    assert cpu["version"] == "2.7.0" and cpu["cudaSupport"] is False
+    assert cpu["url"].endswith("/cpu/libtorch-cxx11-abi-shared-with-deps-2.7.0%2Bcpu.zip")
+    assert cu128["version"] == "2.7.0" and cu128["cudaSupport"] is True
+    assert cu128["url"].endswith("/cu128/libtorch-cxx11-abi-shared-with-deps-2.7.0%2Bcu128.zip")
+
+
+def test_the_production_training_build_gets_libtorch_out_and_dev(env, production, nixpkgs, tmp_path):
+    if SYSTEM != "x86_64-linux":
+        pytest.skip("the production flake is wired for x86_64-linux only")
+    crate = tmp_path / "source" / "crates" / "train"
+    crate.mkdir(parents=True)
+    (crate / "Cargo.toml").write_text('[package]\nname = "trainer"\nversion = "0.3.1"\n')
+    (crate / "Cargo.lock").write_text("version = 3\n")
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cu128", cwd="crates/train", build=None, bin="train")
+    common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, tmp_path / "source"), recipe)]
+
+    training = nix_json(env, "eval", f"{production}#{FDL}.training", "--apply",
+                        "t: { inherit (t) pname version src LIBTORCH LIBTORCH_LIB LIBTORCH_INCLUDE doCheck builtWith;"
+                        " lock = t.cargoLock.lockFile; }", *common)
+    libtorch = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cu128", "--apply",
+                        "d: { out = d.out.outPath; dev = d.dev.outPath; }", *common)
+
+    assert training["builtWith"] == "buildRustPackage"
+    assert training["LIBTORCH"] == training["LIBTORCH_LIB"] == libtorch["out"]
+    assert training["LIBTORCH_INCLUDE"] == libtorch["dev"]
+    assert training["src"].endswith("-source/crates/train")
+    assert training["lock"] == training["src"] + "/Cargo.lock"
+    assert (training["pname"], training["version"], training["doCheck"]) == ("trainer-cu128", "0.3.1", False)
+
+
+def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, production, nixpkgs):
+    if SYSTEM != "x86_64-linux":
+        pytest.skip("the production flake is wired for x86_64-linux only")
+    common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
+
+    app = nix_json(env, "eval", f"{production}#packages.{SYSTEM}.fdl-prepare", "--apply",
+                   "a: { inherit (a) pname version makeWrapperArgs; }", *common)
+    program = nix_json(env, "eval", f"{production}#apps.{SYSTEM}.prepare.program", *common)
+
+    args = app["makeWrapperArgs"]
+    prefix = args[args.index("--prefix") + 3]
+    suffix = args[args.index("--suffix") + 3]
+    default_flake = args[args.index("--set-default") + 2]
+    assert args[args.index("--set-default") + 1] == "FDL_PREPARE_FLAKE"
+    assert default_flake.startswith("path:/nix/store/") and "?narHash=sha256-" in default_flake
+    assert [p.split("-", 1)[1] for p in prefix.split(":")] == ["sshfs/bin", "openssh/bin", "git/bin"]
+    assert [p.split("-", 1)[1] for p in suffix.split(":")] == ["nix/bin", "fuse3/bin", "fuse/bin"]
+    assert app["version"] == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert program.endswith("-fdl-prepare/bin/fdl-prepare")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["flake.nix", *sorted(f"nix/{p.name}" for p in (REPO / "nix").glob("*.nix") if p.name != "module.nix"),
+     *sorted(f"tests/flake/{p.name}" for p in (REPO / "tests" / "flake").glob("*.nix"))],
+)
+def test_every_flake_file_parses(path):
+    if shutil.which("nix-instantiate") is None:
+        pytest.skip("nix-instantiate is not installed (apt install nix-bin)")
+
+    done = subprocess.run(["nix-instantiate", "--parse", str(REPO / path)], capture_output=True, text=True)
+
+    assert done.returncode == 0, done.stderr
