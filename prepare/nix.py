@@ -104,7 +104,7 @@ class Activity:
     started: float
     stopped: float | None = None
     phase: str | None = None
-    failed: bool = False
+    outcome: str | None = None  # builds: built, failed, stopped
     done: int = 0
     expected: int = 0
     log: deque[str] = field(default_factory=lambda: deque(maxlen=25))
@@ -135,10 +135,13 @@ class Log:
         # during a fetch, the only place the cause of a failed fetch is named.
         self.other: deque[str] = deque(maxlen=40)
         self.fetch_seen = False
-        # The `builds` activity counts failed builds, and Nix bumps the count
-        # before it stops the failed build's own activity: that is how a
-        # build's end is told apart as success or failure while it happens.
+        # The `builds` activity counts finished and failed builds, and Nix
+        # bumps a count before it stops that build's own activity: that is
+        # how a build's end is told apart as built, failed, or stopped (an
+        # interrupt bumps neither) while it happens.
+        self.builds_done = 0
         self.builds_failed = 0
+        self._done_seen = 0
         self._failed_seen = 0
 
     # -- reading ---------------------------------------------------------
@@ -204,11 +207,16 @@ class Log:
         act.stopped = time.monotonic()
         seconds = round(act.stopped - act.started, 3)
         if act.type == ACT_BUILD:
-            if self.builds_failed > self._failed_seen:
+            if self.builds_done > self._done_seen:
+                self._done_seen += 1
+                act.outcome = "built"
+            elif self.builds_failed > self._failed_seen:
                 self._failed_seen += 1
-                act.failed = True
+                act.outcome = "failed"
+            else:
+                act.outcome = "stopped"
             self._emit({"type": "build-done", "id": act.id, "name": act.name, "seconds": seconds,
-                        "ok": not act.failed})
+                        "ok": act.outcome == "built", "outcome": act.outcome})
         elif act.type == ACT_FILE_TRANSFER or (act.type == 0 and act.text.lower().startswith("fetching ")):
             self._emit({"type": "download-done", "id": act.id, "name": act.name, "bytes": act.done, "seconds": seconds})
         elif act.type == ACT_SUBSTITUTE:
@@ -226,7 +234,7 @@ class Log:
             act.phase = str(fields[0])
             self._emit({"type": "build-phase", "id": act.id, "name": act.name, "phase": act.phase})
         elif kind == RES_PROGRESS and len(fields) >= 4 and act.type == ACT_BUILDS:
-            self.builds_failed = int(fields[3])
+            self.builds_done, self.builds_failed = int(fields[0]), int(fields[3])
         elif kind == RES_PROGRESS and len(fields) >= 2 and act.type == ACT_FILE_TRANSFER:
             act.done, act.expected = int(fields[0]), int(fields[1])
             self._emit({"type": "download-progress", "id": act.id, "name": act.name,
@@ -263,7 +271,7 @@ class Log:
         text = "\n".join(self.errors)
         builds = self.builds()
         for act in builds:
-            if act.failed:
+            if act.outcome == "failed":
                 return act
         for act in builds:
             drv = act.fields[0] if act.fields else None
@@ -581,6 +589,10 @@ class Nix:
                 failed = log.failed_build()
                 if failed is not None and failed.log:
                     extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
+            elif log.other and log.errors:
+                # git and ssh write the actual cause (refused, unknown ref,
+                # bad host key) as plain lines; Nix only says git failed.
+                extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
             raise failure(diagnosis, doing, fix=fix if diagnosis.category in ("evaluation", "fetch") else None,
                           extra=extra)
         return outcome

@@ -10,7 +10,7 @@ The library never prints: `prepare.build` hands events (plain dicts) to a
   returns: a journal keeps every byte, and a redrawn line there is noise.
 
 Events (all have "type"): step {name, detail}; build-start {id, name, drv};
-build-phase {id, name, phase}; build-done {id, name, seconds, ok};
+build-phase {id, name, phase}; build-done {id, name, seconds, ok, outcome: built | failed | stopped};
 download-start {id, name}; download-progress {id, name, done, expected};
 download-done {id, name, bytes, seconds}; substitute-start / substitute-done
 {id, name}; end {}. Unknown types are ignored, so the producer can grow.
@@ -86,7 +86,7 @@ class PlainRenderer:
         if kind == "build-start":
             self._line(f"building {name}")
         elif kind == "build-done":
-            verb = "built" if event.get("ok", True) else "build failed:"
+            verb = {"failed": "build failed:", "stopped": "build stopped:"}.get(event.get("outcome", ""), "built")
             self._line(f"{verb} {name} ({event.get('seconds', 0):.1f}s)")
         elif kind == "download-start":
             if not str(name).endswith(_QUIET_SUFFIXES):
@@ -163,7 +163,7 @@ class LiveRenderer:
             elif kind in ("build-done", "download-done", "substitute-done"):
                 row = self.rows.get(event.get("id"))
                 if row:
-                    row["state"] = "done" if event.get("ok", True) else "failed"
+                    row["state"] = {"failed": "failed", "stopped": "stopped"}.get(event.get("outcome", ""), "done")
                     row["seconds"] = event.get("seconds", 0.0)
                     if kind == "download-done" and event.get("bytes"):
                         row["done"] = event["bytes"]
@@ -194,7 +194,7 @@ class LiveRenderer:
             seconds = row.get("seconds", now - row["since"])
             if row["what"] == "build":
                 state = {"running": "[yellow]building[/yellow]", "done": "[green]built[/green]",
-                         "failed": "[red]failed[/red]"}[row["state"]]
+                         "failed": "[red]failed[/red]", "stopped": "[red]stopped[/red]"}[row["state"]]
                 detail = row["phase"] or ""
             else:
                 state = "[cyan]download[/cyan]" if row["state"] == "running" else "[green]downloaded[/green]"

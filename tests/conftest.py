@@ -2,3 +2,4 @@
 # sshd on loopback, a stand-in libnvidia-ml.so.1.
 pytest_plugins: list[str] = ["mount_fixtures", "sshd_fixtures", "nvml_fixtures"]
 pytest_plugins.append("module_fixtures")
+pytest_plugins.append("nix_fixtures")

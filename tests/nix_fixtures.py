@@ -1,0 +1,223 @@
+"""Real Nix for the runner's tests: the nixpkgs-free test flake, git sources
+in temp repositories, and an offline Nix configuration.
+
+Fixture API (register with `pytest_plugins = ["nix_fixtures"]`):
+
+`nix_env` (function) -> dict. Skips when `nix` is not installed. Sets
+NIX_CONFIG for this test (flakes on; `substituters =`, so no build waits ~4 s
+on cache.nixos.org; no retries on failed downloads) and returns the
+environment a child process should get.
+
+`test_flake` (session) -> str: `path:<dir>` of a flat copy of tests/flake
+(flake.nix, toolchain.nix, flake.lock, nix/ beside them). Variants `cpu`,
+`cu128`.
+
+`make_flake` (function) -> `(extra_nix=None, flake_nix=None) -> str`: a
+fresh flat copy, with `extra.nix` (a function toolchain -> variants) and/or
+a replaced flake.nix, as `path:<dir>`.
+
+`git_source` (function) -> `(files) -> GitSource`: a git repository on
+branch `main` with `files` ({relative path: text}) committed.
+    .url          git+file://<dir>?ref=main
+    .commit(files, message)  writes files (text None deletes), commits, returns the rev
+`trainer(build=..., bin=..., manifest=...)` -> files of a minimal training
+source: a build line that writes an executable, and optionally a manifest.
+
+`state_dir` (function) -> str: an empty state directory for the runner.
+
+`valid_path(path)` -> bool: whether the store knows `path` as complete.
+`procs_with(text)` -> list of (pid, cmdline) of live processes whose command
+line contains `text`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NIX_CONFIG = "\n".join(
+    [
+        "experimental-features = nix-command flakes",
+        "substituters =",
+        # A refused download is retried with backoff (about 5 s in all); one
+        # attempt is enough to show it fails.
+        "download-attempts = 1",
+        "",
+    ]
+)
+
+
+def nix_path() -> str | None:
+    return shutil.which("nix")
+
+
+def require_nix() -> str:
+    path = nix_path()
+    if path is None:
+        pytest.skip("nix is not installed (Debian: apt-get install nix-bin)")
+    return path
+
+
+@pytest.fixture
+def nix_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    require_nix()
+    monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG)
+    return dict(os.environ)
+
+
+def _flat_copy(dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("flake.nix", "toolchain.nix", "flake.lock"):
+        src = REPO / "tests" / "flake" / name
+        if src.exists():
+            shutil.copy(src, dest / name)
+    shutil.copytree(REPO / "nix", dest / "nix", ignore=shutil.ignore_patterns("*.md"))
+    return dest
+
+
+@pytest.fixture(scope="session")
+def test_flake(tmp_path_factory: pytest.TempPathFactory) -> str:
+    if not (REPO / "tests" / "flake" / "flake.nix").exists():
+        pytest.skip("the test flake (tests/flake/flake.nix) is not in this checkout")
+    return f"path:{_flat_copy(tmp_path_factory.mktemp('flake') / 'flake')}"
+
+
+@pytest.fixture
+def make_flake(tmp_path: Path) -> Callable[..., str]:
+    counter = iter(range(1000))
+
+    def make(extra_nix: str | None = None, flake_nix: str | None = None) -> str:
+        dest = _flat_copy(tmp_path / f"flake{next(counter)}")
+        if extra_nix is not None:
+            (dest / "extra.nix").write_text(extra_nix)
+        if flake_nix is not None:
+            (dest / "flake.nix").write_text(flake_nix)
+        return f"path:{dest}"
+
+    return make
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "fdl tests",
+        "GIT_AUTHOR_EMAIL": "tests@fdl.invalid",
+        "GIT_COMMITTER_NAME": "fdl tests",
+        "GIT_COMMITTER_EMAIL": "tests@fdl.invalid",
+    }
+    done = subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+@dataclass
+class GitSource:
+    path: Path
+
+    @property
+    def url(self) -> str:
+        return f"git+file://{self.path}?ref=main"
+
+    def commit(self, files: Mapping[str, str | None], message: str = "change") -> str:
+        for rel, text in files.items():
+            target = self.path / rel
+            if text is None:
+                if target.exists():
+                    _git(self.path, "rm", "-q", rel)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+            _git(self.path, "add", rel)
+        _git(self.path, "commit", "-q", "--allow-empty", "-m", message)
+        return _git(self.path, "rev-parse", "HEAD")
+
+
+@pytest.fixture
+def git_source(tmp_path: Path) -> Callable[[Mapping[str, str | None]], GitSource]:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    counter = iter(range(1000))
+
+    def make(files: Mapping[str, str | None]) -> GitSource:
+        path = tmp_path / f"source{next(counter)}"
+        path.mkdir()
+        _git(path, "init", "-q", "-b", "main")
+        source = GitSource(path)
+        source.commit(files, "initial")
+        return source
+
+    return make
+
+
+def manifest_text(**fields: object) -> str:
+    lines = []
+    for key, value in fields.items():
+        if isinstance(value, bool):
+            lines.append(f"{key} = {'true' if value else 'false'}")
+        elif isinstance(value, (list, tuple)):
+            lines.append(f"{key} = [{', '.join(_toml_str(v) for v in value)}]")
+        elif isinstance(value, int):
+            lines.append(f"{key} = {value}")
+        else:
+            lines.append(f"{key} = {_toml_str(str(value))}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_str(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def trainer(
+    *,
+    build: str | None = "printf '#!/bin/sh\\necho trained\\n' > train && chmod +x train",
+    bin: str = "train",
+    manifest: Mapping[str, object] | None = None,
+    nonce: str | None = None,
+) -> dict[str, str | None]:
+    """A training source the test flake can build with /bin/sh. The default
+    carries a manifest with bin and build; `manifest={}` gives none."""
+    files: dict[str, str | None] = {"README": f"a training source for tests {nonce or time.time_ns()}\n"}
+    if manifest is None:
+        manifest = {"bin": bin, **({"build": build} if build is not None else {})}
+    if manifest:
+        files[".fdl-run.toml"] = manifest_text(**manifest)
+    return files
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> str:
+    path = tmp_path / "state"
+    path.mkdir()
+    return str(path)
+
+
+def valid_path(path: str) -> bool:
+    done = subprocess.run(
+        ["nix-store", "--check-validity", path], capture_output=True, text=True,
+        env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
+    )
+    return done.returncode == 0
+
+
+def procs_with(text: str) -> list[tuple[int, str]]:
+    found = []
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        cmdline = raw.replace(b"\0", b" ").decode("utf-8", "replace")
+        if text in cmdline:
+            found.append((int(entry), cmdline))
+    return found
+

@@ -1,0 +1,382 @@
+"""Steps 4 and 5 against real Nix: the nixpkgs-free test flake, training
+sources in temp git repositories, every fault triggered for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer, valid_path
+from prepare import build as build_mod
+from prepare.fail import Fail
+from prepare.spec import PrepareSpec, SourceSpec
+
+pytestmark = pytest.mark.nix
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def spec(flake: str, state: str, source: str | None = None, *, libtorch: str | None = "cpu",
+         cpu_only: bool = True, **box: str) -> PrepareSpec:
+    """A build spec; `box` are the box's own [join.source] fields."""
+    return PrepareSpec(
+        source=SourceSpec(from_=source, **box) if source is not None or box else None,
+        libtorch=libtorch,
+        cpu_only=cpu_only,
+        flake=flake,
+        state_dir=state,
+    )
+
+
+def run(s: PrepareSpec, gpus=None, events: list | None = None):
+    notes: list[str] = []
+    got = build_mod.build(s, gpus, notes, progress=(events.append if events is not None else None))
+    return got, notes
+
+
+def kinds(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def built_names(events: list[dict]) -> list[str]:
+    return [e["name"] for e in events if e["type"] == "build-start"]
+
+
+def expect_fail(s: PrepareSpec, gpus=None, events: list | None = None) -> Fail:
+    with pytest.raises(Fail) as caught:
+        run(s, gpus, events)
+    return caught.value
+
+
+# -- configuration refused before any nix call ----------------------------------
+
+
+def test_nix_missing_from_path_is_permanent_and_names_the_install(monkeypatch, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    monkeypatch.setenv("PATH", "/nonexistent-bin")
+    fail = expect_fail(spec(test_flake, state_dir, src.url))
+    assert fail.permanent
+    assert "nix is not installed" in fail.message
+    assert "apt-get install nix-bin" in fail.message
+
+
+def test_no_flake_is_permanent_and_names_the_flag(state_dir):
+    fail = expect_fail(PrepareSpec(libtorch="cpu", cpu_only=True, flake=None, state_dir=state_dir))
+    assert fail.permanent
+    assert "--flake" in fail.message and "flake" in fail.message
+
+
+def test_a_git_source_without_a_ref_is_permanent_and_names_source_from(nix_env, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    url = f"git+file://{src.path}"
+    events: list[dict] = []
+    fail = expect_fail(spec(test_flake, state_dir, url), events=events)
+    assert fail.permanent
+    assert "source.from" in fail.message and url in fail.message and "ref=" in fail.message
+    assert not any(e["type"] in ("download-start", "build-start") for e in events)
+
+
+def test_an_unwritable_state_dir_is_permanent_and_names_state_dir(nix_env, test_flake, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    fail = expect_fail(spec(test_flake, str(blocker / "state")))
+    assert fail.permanent
+    assert "--state-dir" in fail.message
+
+
+# -- evaluation ---------------------------------------------------------------------
+
+
+def test_a_flake_with_a_syntax_error_is_permanent(nix_env, make_flake, state_dir):
+    flake = make_flake(flake_nix="{ outputs = { self }: { legacyPackages = ; }; }\n")
+    fail = expect_fail(spec(flake, state_dir))
+    assert fail.permanent
+    assert "syntax error" in fail.message
+    assert "--flake" in fail.message
+
+
+def test_a_flake_missing_the_fdl_attribute_is_permanent(nix_env, make_flake, state_dir):
+    flake = make_flake(flake_nix="{ outputs = { self }: { legacyPackages.x86_64-linux = { }; legacyPackages.aarch64-linux = { }; }; }\n")
+    fail = expect_fail(spec(flake, state_dir))
+    assert fail.permanent
+    assert "does not provide attribute" in fail.message
+    assert "CONTRACT.md" in fail.message
+
+
+def test_an_unknown_variant_is_permanent_and_lists_the_flakes_variants(nix_env, test_flake, state_dir):
+    fail = expect_fail(spec(test_flake, state_dir, libtorch="rocm61", cpu_only=False))
+    assert fail.permanent
+    assert "'rocm61'" in fail.message
+    assert "cpu" in fail.message and "cu128" in fail.message
+    assert "--libtorch" in fail.message
+
+
+def test_cpu_only_refuses_a_cuda_variant_before_anything_is_fetched(nix_env, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    events: list[dict] = []
+    fail = expect_fail(spec(test_flake, state_dir, src.url, libtorch="cu128", cpu_only=True), events=events)
+    assert fail.permanent
+    assert "--cpu-only" in fail.message and "--libtorch" in fail.message
+    assert not any(e["type"] in ("download-start", "build-start") for e in events)
+
+
+def test_a_variant_not_covering_the_fake_nvml_card_fails_before_any_fetch(
+    nix_env, test_flake, state_dir, git_source, nvml_box
+):
+    from nvml_fixtures import pascal_card
+
+    from prepare.pipeline import prepare
+
+    nvml_box(pascal_card())
+    src = git_source(trainer())
+    events: list[dict] = []
+    s = spec(test_flake, state_dir, src.url, libtorch="cu128", cpu_only=False)
+    with pytest.raises(Fail) as caught:
+        prepare(s, [], progress=events.append)
+    fail = caught.value
+    assert fail.permanent
+    assert "GPU 0" in fail.message and "GTX 1080 Ti" in fail.message and "6.1" in fail.message
+    assert "7.5, 8.0, 8.6, 9.0, 10.0, 12.0" in fail.message
+    assert "--devices" in fail.message and "--libtorch" in fail.message
+    # Nothing fetched, nothing built: the only step reached is the evaluation.
+    assert [e["name"] for e in events if e["type"] == "step"] == ["evaluate"]
+    assert not any(e["type"].startswith(("download", "build", "substitute")) for e in events)
+    assert sum(e.get("bytes", 0) for e in events if e["type"] == "download-done") == 0
+    assert not os.path.exists(os.path.join(state_dir, "recipe"))
+
+
+def test_auto_picks_cu128_for_an_ampere_box_and_cpu_for_cpu_only(nix_env, test_flake, state_dir, nvml_box):
+    from nvml_fixtures import ampere_pair
+
+    from prepare import gate
+
+    nvml_box(ampere_pair())
+    s = spec(test_flake, state_dir, libtorch="auto", cpu_only=False)
+    notes: list[str] = []
+    gpus = gate.check(s, notes)
+    got, notes = run(s, gpus)
+    assert got.libtorch.variant == "cu128"
+    assert os.path.isfile(os.path.join(got.libtorch.path, "lib", "libtorch.so"))
+    assert any("picked cu128" in n for n in notes)
+
+    got, _ = run(spec(test_flake, state_dir, libtorch="auto", cpu_only=True))
+    assert got.libtorch.variant == "cpu"
+
+
+# -- fetching the source ---------------------------------------------------------------
+
+
+def test_a_source_on_a_closed_loopback_port_is_transient(nix_env, test_flake, state_dir):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # Closed once the socket is gone: the connection is refused.
+    url = f"git+http://127.0.0.1:{port}/train.git?ref=main"
+    fail = expect_fail(spec(test_flake, state_dir, url))
+    assert not fail.permanent
+    assert url in fail.message and "source.from" in fail.message
+
+
+def test_a_ref_that_does_not_exist_yet_is_transient(nix_env, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    fail = expect_fail(spec(test_flake, state_dir, f"git+file://{src.path}?ref=not-pushed-yet"))
+    assert not fail.permanent
+
+
+# -- the manifest ----------------------------------------------------------------------
+
+
+def test_no_manifest_and_no_bin_is_transient_and_names_publishing_and_source_bin(nix_env, test_flake, state_dir,
+                                                                                 git_source):
+    src = git_source(trainer(manifest={}))
+    events: list[dict] = []
+    fail = expect_fail(spec(test_flake, state_dir, src.url), events=events)
+    assert not fail.permanent
+    assert "fdl publish" in fail.message and "source.bin" in fail.message and "--source-bin" in fail.message
+    assert not any(e["type"] == "build-start" for e in events)
+
+
+def test_a_published_manifest_outranks_the_boxs_own_recipe(nix_env, test_flake, state_dir, git_source):
+    src = git_source({
+        **trainer(manifest={
+            "bin": "published",
+            "cwd": "app",
+            "build": "printf '#!/bin/sh\\necho published\\n' > published && chmod +x published",
+            "args": ["--epochs", "3"],
+            "run": "run-77",
+            "built": True,
+            "published_epoch": int(time.time()) - 300,
+            "origin": "controller-a",
+        }),
+        "app/keep": "x\n",
+    })
+    box = {"bin": "boxbin", "cwd": ".", "build": "exit 9"}
+    got, notes = run(spec(test_flake, state_dir, src.url, **box))
+    assert os.path.basename(got.bin.path) == "published"
+    assert subprocess.run([got.bin.path], capture_output=True, text=True).stdout.strip() == "published"
+    assert got.bin.cwd.endswith("-source/app") and got.bin.cwd.startswith("/nix/store/")
+    assert os.path.isfile(os.path.join(got.bin.cwd, "keep"))
+    assert got.args == ("--epochs", "3")
+    assert got.run_id == "run-77"
+    assert any("run run-77" in n and "published 5m ago" in n and "controller-a" in n for n in notes)
+    assert not any("NOT built" in n for n in notes)
+
+
+def test_a_manifest_that_omits_a_field_keeps_the_boxs_value(nix_env, test_flake, state_dir, git_source):
+    # The manifest names the binary only; the build line comes from the box.
+    src = git_source(trainer(manifest={"bin": "fromthebox", "run": "r1", "built": False}))
+    box_build = "printf '#!/bin/sh\\necho box\\n' > fromthebox && chmod +x fromthebox"
+    got, notes = run(spec(test_flake, state_dir, src.url, build=box_build, bin="ignored"))
+    assert os.path.basename(got.bin.path) == "fromthebox"
+    assert subprocess.run([got.bin.path], capture_output=True, text=True).stdout.strip() == "box"
+    assert any("NOT built by the controller" in n for n in notes)
+    assert got.args is None
+
+
+def test_the_box_recipe_alone_builds_when_nothing_is_published(nix_env, test_flake, state_dir, git_source):
+    src = git_source(trainer(manifest={}))
+    got, notes = run(spec(test_flake, state_dir, src.url, bin="train",
+                          build="printf '#!/bin/sh\\n' > train && chmod +x train"))
+    assert os.access(got.bin.path, os.X_OK)
+    assert got.run_id is None and got.args is None
+    assert any("no run manifest" in n for n in notes)
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+def test_a_builder_that_exits_3_is_transient_and_shows_its_log(nix_env, test_flake, state_dir, git_source):
+    src = git_source(trainer(build="echo compiling the model; echo kaboom >&2; exit 3"))
+    events: list[dict] = []
+    fail = expect_fail(spec(test_flake, state_dir, src.url), events=events)
+    assert not fail.permanent
+    assert "exit code 3" in fail.message
+    assert "kaboom" in fail.message
+    done = [e for e in events if e["type"] == "build-done"]
+    assert done and done[-1]["outcome"] == "failed"
+
+
+def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, git_source):
+    from dataclasses import replace
+
+    src = git_source(trainer(build="sleep 30"))
+    start = time.monotonic()
+    fail = expect_fail(replace(spec(test_flake, state_dir, src.url), build_timeout_s=2))
+    assert time.monotonic() - start < 25
+    assert not fail.permanent
+    assert "timed out" in fail.message and "--build-timeout" in fail.message
+    assert not procs_with("sleep 30")
+
+
+def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_dir):
+    flake = make_flake(extra_nix="""toolchain: {
+  pinned = {
+    cuda = null;
+    archs = [ ];
+    package = toolchain.fixedOutput {
+      name = "pinned-libtorch";
+      text = "not what the pin says";
+      hash = "sha256-AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA=";
+    };
+  };
+}
+""")
+    fail = expect_fail(spec(flake, state_dir, libtorch="pinned", cpu_only=False))
+    assert fail.permanent
+    assert "hash mismatch" in fail.message
+    assert "hash" in fail.message.split("Fix:")[1]
+
+
+def test_a_build_without_a_source_builds_libtorch_only(nix_env, test_flake, state_dir):
+    got, _ = run(spec(test_flake, state_dir))
+    assert got.bin is None and got.args is None and got.run_id is None
+    assert got.libtorch.variant == "cpu"
+    assert os.path.realpath(os.path.join(state_dir, "gcroots", "result")) == got.libtorch.path
+
+
+def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    got, _ = run(spec(test_flake, state_dir, src.url))
+    roots = os.path.join(state_dir, "gcroots")
+    targets = {os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
+    training = os.path.dirname(os.path.dirname(got.bin.path))
+    assert {got.libtorch.path, training, got.bin.cwd} <= targets
+    # Nix registered them: the store's own list of roots names our links.
+    listed = subprocess.run(["nix-store", "--gc", "--print-roots"], capture_output=True, text=True,
+                            env={**os.environ, "NIX_CONFIG": NIX_CONFIG}).stdout
+    assert os.path.join(roots, "result") in listed
+
+
+def test_a_redial_after_a_new_commit_rebuilds_only_the_training_derivation(nix_env, test_flake, state_dir,
+                                                                          git_source):
+    src = git_source(trainer())
+    first, _ = run(spec(test_flake, state_dir, src.url))
+    src.commit({"model.txt": f"a new layer {time.time_ns()}\n"}, "new layer")
+    events: list[dict] = []
+    second, notes = run(spec(test_flake, state_dir, src.url), events=events)
+    assert built_names(events) == ["fdl-test-training-cpu"]
+    assert second.libtorch == first.libtorch
+    assert second.bin.path != first.bin.path
+    assert os.path.isfile(os.path.join(second.bin.cwd, "model.txt"))
+    assert any("already in the store: libtorch cpu" in n for n in notes)
+
+
+def test_a_second_run_with_nothing_changed_builds_and_downloads_nothing(nix_env, test_flake, state_dir,
+                                                                       git_source):
+    from prepare.pipeline import prepare
+
+    src = git_source(trainer())
+    s = spec(test_flake, state_dir, src.url)
+    first = prepare(s, [])
+    events: list[dict] = []
+    notes: list[str] = []
+    second = prepare(s, notes, progress=events.append)
+    assert second == first
+    assert not [e for e in events if e["type"] in ("build-start", "substitute-start")]
+    assert sum(e.get("bytes", 0) for e in events if e["type"] == "download-done") == 0
+    assert not [e for e in events if e["type"] == "download-start"]
+    assert "nothing built, nothing downloaded" in notes
+
+
+def test_sigterm_during_a_build_leaves_no_out_link_to_a_partial_output(nix_env, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    first, _ = run(spec(test_flake, state_dir, src.url))
+    roots = os.path.join(state_dir, "gcroots")
+    before = {n: os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
+
+    marker = f"{time.time_ns() % 100000 + 100}.{os.getpid()}"
+    src.commit({".fdl-run.toml": manifest_text(
+        bin="train", build=f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train")}, "slow build")
+    argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake,
+            "--source", src.url, "--state-dir", state_dir]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "NIX_CONFIG": NIX_CONFIG}, cwd=str(REPO))
+    try:
+        deadline = time.monotonic() + 60
+        while not procs_with(f"sleep {marker}"):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the build never started"
+            time.sleep(0.1)
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130, err
+    deadline = time.monotonic() + 10
+    while procs_with(f"sleep {marker}") or procs_with(f"--out-link {roots}"):
+        assert time.monotonic() < deadline, procs_with(marker)
+        time.sleep(0.1)
+    after = {n: os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
+    assert after == before
+    assert all(valid_path(target) for target in after.values())
+    assert os.path.realpath(first.bin.path) == first.bin.path and os.access(first.bin.path, os.X_OK)

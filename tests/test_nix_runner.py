@@ -1,0 +1,331 @@
+"""The nix wrapper: its shared flags, its version check, its reading of
+internal-json, and the classification of failures (each fault triggered for
+real where this machine can, against recorded records where it cannot)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from nix_fixtures import NIX_CONFIG, require_nix, trainer
+from prepare import nix as nix_mod
+from prepare.build import build
+from prepare.fail import Fail
+from prepare.nix import BUILD, EVALUATION, FETCH, Log, Nix, diagnose, parse_version
+from prepare.spec import PrepareSpec, SourceSpec
+
+
+def _record(**fields: object) -> str:
+    return "@nix " + json.dumps(fields)
+
+
+def _error(text: str) -> str:
+    return _record(action="msg", level=0, msg=f"\x1b[31;1merror:\x1b[0m {text}", raw_msg=text)
+
+
+# -- version ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("nix (Nix) 2.8.0\n", (2, 8, 0)),
+        ("nix (Nix) 2.18.1", (2, 18, 1)),
+        ("nix (Determinate Nix 3.6.2) 2.29.0", (2, 29, 0)),
+        ("nix (Lix, like Nix) 2.91.1\nSystem type: x86_64-linux", (2, 91, 1)),
+        ("nix (Nix) 2.3", (2, 3, 0)),
+        ("garbage", None),
+        ("", None),
+    ],
+)
+def test_the_version_is_the_last_number_on_the_first_line(text, want):
+    assert parse_version(text) == want
+
+
+def _shim(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "bin" / "nix"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_nix_older_than_2_8_is_permanent_and_names_the_install(tmp_path):
+    old = _shim(tmp_path, 'echo "nix (Nix) 2.3.16"\n')
+    with pytest.raises(Fail) as caught:
+        Nix(str(tmp_path), program=old).check_version()
+    assert caught.value.permanent
+    assert "2.3.16" in caught.value.message and "older than 2.8" in caught.value.message
+    assert "apt-get install nix-bin" in caught.value.message
+
+
+def test_nix_not_on_path_is_permanent_and_names_the_install(tmp_path):
+    with pytest.raises(Fail) as caught:
+        Nix(str(tmp_path), env={"PATH": str(tmp_path / "empty")}).check_version()
+    assert caught.value.permanent
+    assert "nix is not installed" in caught.value.message
+    assert "apt-get install nix-bin" in caught.value.message and "nixos.org" in caught.value.message
+
+
+def test_the_installed_nix_passes_the_version_check(tmp_path):
+    require_nix()
+    assert Nix(str(tmp_path)).check_version() >= (2, 8, 0)
+
+
+# -- the shared flags -----------------------------------------------------------------
+
+
+def test_every_nix_call_carries_the_shared_flags_and_never_impure(nix_env, test_flake, git_source, tmp_path):
+    """A logging `nix` shim in front of the real one records every argv of a
+    full build."""
+    real = shutil.which("nix")
+    calls = tmp_path / "calls.jsonl"
+    shim = _shim(tmp_path, f"""python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' "$@" >> {calls}
+exec {real} "$@"
+""")
+    state = tmp_path / "state"
+    src = git_source(trainer())
+    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
+                       state_dir=str(state))
+    build(spec, None, [], nix_program=shim)
+    argvs = [json.loads(line) for line in calls.read_text().splitlines()]
+    subcommands = [next(a for a in argv if a in ("eval", "flake", "build", "--version")) for argv in argvs]
+    assert subcommands == ["--version", "eval", "flake", "build"]
+    registry = str(state / "flake-registry.json")
+    assert json.loads(Path(registry).read_text()) == {"flakes": [], "version": 2}
+    for argv in argvs[1:]:
+        joined = " ".join(argv)
+        assert argv[:2] == ["--extra-experimental-features", "nix-command flakes"]
+        assert "--log-format internal-json" in joined
+        assert f"--option flake-registry {registry}" in joined
+        assert "--option accept-flake-config false" in joined
+        assert "--impure" not in argv and "--accept-flake-config" not in argv
+        assert "--json" in argv
+    for argv in (argvs[1], argvs[3]):
+        assert "--no-write-lock-file" in argv
+    build_argv = argvs[3]
+    i = build_argv.index("source")
+    assert build_argv[i - 1] == "--override-input" and build_argv[i + 1].startswith("path:/nix/store/")
+    assert "narHash=sha256-" in build_argv[i + 1]
+    j = build_argv.index("recipe")
+    assert build_argv[j + 1] == f"path:{state / 'recipe'}"
+
+
+def test_a_registry_name_fails_fast_without_downloading_the_global_registry(nix_env, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(Fail) as caught:
+        Nix(str(tmp_path)).eval_json("nixpkgs#hello")
+    assert time.monotonic() - start < 10
+    assert caught.value.permanent
+    assert "cannot find flake 'flake:nixpkgs' in the flake registries" in caught.value.message
+    assert "github.com" not in caught.value.message
+
+
+# -- reading internal-json ---------------------------------------------------------------
+
+BUILD_OK = [
+    _record(action="start", id=1, level=0, text="", type=104),
+    _record(action="start", id=2, level=3, type=105, text="building '/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv'",
+            fields=["/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv", "", 1, 1]),
+    _record(action="result", id=1, type=105, fields=[0, 1, 1, 0]),
+    _record(action="result", id=2, type=104, fields=["buildPhase"]),
+    _record(action="result", id=2, type=101, fields=["compiling"]),
+    _record(action="result", id=1, type=105, fields=[1, 1, 0, 0]),
+    _record(action="stop", id=2),
+    _record(action="stop", id=1),
+]
+
+
+def test_a_finished_build_reads_as_built_with_its_phase():
+    events: list[dict] = []
+    log = Log(events.append)
+    for line in BUILD_OK:
+        log.feed(line)
+    assert [e["type"] for e in events] == ["build-start", "build-phase", "build-done"]
+    assert events[0]["name"] == "train"
+    assert events[1]["phase"] == "buildPhase"
+    assert events[2]["outcome"] == "built" and events[2]["ok"]
+    assert list(log.builds()[0].log) == ["compiling"]
+
+
+def test_a_failed_build_reads_as_failed_before_the_error_record_arrives():
+    lines = BUILD_OK[:5] + [_record(action="result", id=1, type=105, fields=[0, 0, 0, 1]),
+                            _record(action="stop", id=2), _record(action="stop", id=1),
+                            _error("builder for '/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv' failed with exit code 3")]
+    events: list[dict] = []
+    log = Log(events.append)
+    for line in lines:
+        log.feed(line)
+    assert events[-1]["outcome"] == "failed"
+    assert log.failed_build().name == "train"
+
+
+def test_an_interrupted_build_reads_as_stopped():
+    events: list[dict] = []
+    log = Log(events.append)
+    for line in BUILD_OK[:5] + [_record(action="stop", id=2)]:
+        log.feed(line)
+    assert events[-1]["outcome"] == "stopped"
+
+
+def test_downloads_count_their_bytes_and_plain_lines_are_kept():
+    events: list[dict] = []
+    log = Log(events.append)
+    for line in [
+        _record(action="start", id=7, level=4, type=101, text="downloading 'https://c/x.nar.xz'",
+                fields=["https://c/x.nar.xz"]),
+        _record(action="result", id=7, type=105, fields=[512, 2048, 0, 0]),
+        _record(action="result", id=7, type=105, fields=[2048, 2048, 0, 0]),
+        _record(action="stop", id=7),
+        "fatal: unable to access 'http://127.0.0.1:9/x/': Failed to connect",
+        "@nix {not json",
+    ]:
+        log.feed(line)
+    assert log.bytes_downloaded == 2048
+    assert [e["type"] for e in events] == ["download-start", "download-progress", "download-progress", "download-done"]
+    assert events[-1]["bytes"] == 2048
+    assert "fatal: unable to access" in log.other[0]
+
+
+def test_a_display_that_raises_does_not_break_the_log():
+    def broken(event: dict) -> None:
+        raise RuntimeError("display gone")
+
+    log = Log(broken)
+    for line in BUILD_OK:
+        log.feed(line)
+    assert log.builds()[0].outcome == "built"
+
+
+# -- classification from recorded records -------------------------------------------------
+
+RECORDED = [
+    # (phase, error text, category, permanent)
+    (EVALUATION, "syntax error, unexpected ';'", "evaluation", True),
+    (EVALUATION, "flake 'path:/x' does not provide attribute 'legacyPackages.x86_64-linux.fdl'", "evaluation", True),
+    (EVALUATION, "assertion '(cuda != null)' failed", "evaluation", True),
+    (EVALUATION, "unable to download 'https://github.com/NixOS/nixpkgs/archive/x.tar.gz': Couldn't resolve host name (6)", "fetch", False),
+    (FETCH, "program 'git' failed with exit code 128", "fetch", False),
+    (FETCH, "getting status of '/srv/train': No such file or directory", "fetch", False),
+    (FETCH, "writing to file: No space left on device", "no-space", True),
+    (BUILD, "builder for '/nix/store/x-train.drv' failed with exit code 3", "builder", False),
+    (BUILD, "Cannot build '/nix/store/x-train.drv'.\nReason: builder failed with exit code 3.", "builder", False),
+    (BUILD, "building of '/nix/store/x-train.drv!out' from .drv file timed out after 2 seconds", "timeout", False),
+    (BUILD, "hash mismatch in fixed-output derivation '/nix/store/x.drv':\n specified: sha256-A\n got: sha256-B", "hash-mismatch", True),
+    (BUILD, "cannot connect to socket at '/nix/var/nix/daemon-socket/socket': Connection refused", "daemon", False),
+    (BUILD, "getting status of /nix/var/nix/daemon-socket/socket: Permission denied", "store-permission", True),
+    (BUILD, "could not set permissions on '/nix/var/nix/profiles/per-user' to 755: Operation not permitted", "store-permission", True),
+    (BUILD, "opening lock file '/nix/var/nix/db/big-lock': Permission denied", "store-permission", True),
+    (BUILD, "fdl-prepare flake: recipe.json has no `bin`", "evaluation", True),
+]
+
+
+@pytest.mark.parametrize(("phase", "text", "category", "permanent"), RECORDED)
+def test_failures_are_classified_by_phase_and_error_record(phase, text, category, permanent):
+    log = Log()
+    log.feed(_error(text))
+    got = diagnose(phase, log, returncode=1)
+    assert (got.category, got.permanent) == (category, permanent)
+
+
+def test_the_exit_code_alone_never_decides():
+    # The same builder failure reads the same whether nix said 1, 100 or 101.
+    for code in (1, 100, 101, 102):
+        log = Log()
+        log.feed(_error("builder for '/nix/store/x-train.drv' failed with exit code 3"))
+        assert diagnose(BUILD, log, returncode=code).category == "builder"
+
+
+def test_a_failure_with_no_error_record_is_transient():
+    assert not diagnose(EVALUATION, Log(), returncode=137).permanent
+
+
+# -- classification, triggered for real -----------------------------------------------------
+
+
+def test_an_unreachable_daemon_socket_is_transient(nix_env, test_flake, tmp_path, monkeypatch):
+    sock_path = tmp_path / "daemon.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(sock_path))  # bound, never listening: connections are refused
+    try:
+        monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = unix://{sock_path}\n")
+        with pytest.raises(Fail) as caught:
+            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None, [])
+    finally:
+        dead.close()
+    assert not caught.value.permanent
+    assert "cannot connect to socket" in caught.value.message
+    assert "nix-daemon" in caught.value.message
+
+
+def _root_only() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a tmpfs mount / switching to another user)")
+
+
+@pytest.fixture
+def tiny_store(tmp_path):
+    _root_only()
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mountpoint)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def test_a_full_store_is_permanent_even_while_fetching(nix_env, test_flake, tiny_store, tmp_path, monkeypatch):
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "weights.bin").write_bytes(os.urandom(4 << 20))
+    (big / ".fdl-run.toml").write_text('bin = "x"\n')
+    monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = {tiny_store}\n")
+    spec = PrepareSpec(source=SourceSpec(from_=f"path:{big}"), libtorch="cpu", cpu_only=True, flake=test_flake,
+                       state_dir=str(tmp_path / "state"))
+    with pytest.raises(Fail) as caught:
+        build(spec, None, [])
+    assert caught.value.permanent
+    assert "No space left on device" in caught.value.message
+    assert "nix-collect-garbage" in caught.value.message
+
+
+def test_a_store_this_user_cannot_write_is_permanent(nix_env, test_flake, tmp_path):
+    _root_only()
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    # Everything the unprivileged nix reads must be outside root's 0700
+    # pytest directory.
+    shared = Path(tempfile.mkdtemp(prefix="fdl-nobody-"))
+    try:
+        shared.chmod(0o755)
+        flake = shared / "flake"
+        shutil.copytree(test_flake.removeprefix("path:"), flake)
+        home = shared / "home"
+        home.mkdir()
+        os.chown(home, 65534, 65534)
+        shim = shared / "nix"
+        shim.write_text(f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
+                        f"{shutil.which('nix')} \"$@\"\n")
+        shim.chmod(0o755)
+        state = shared / "state"
+        state.mkdir()
+        runner = Nix(str(state), program=str(shim), env={**os.environ, "NIX_REMOTE": "local"})
+        with pytest.raises(Fail) as caught:
+            runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    assert caught.value.permanent
+    assert "Operation not permitted" in caught.value.message or "Permission denied" in caught.value.message
+    assert "store's owner" in caught.value.message
