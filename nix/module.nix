@@ -172,14 +172,14 @@ in
     package = mkOption {
       type = types.package;
       default = self.packages.${pkgs.stdenv.hostPlatform.system}.default;
-      defaultText = literalExpression "fdl-prepare from this flake";
+      defaultText = literalExpression "self.packages.\${pkgs.stdenv.hostPlatform.system}.default";
       description = "The fdl-prepare front end (its `bin/fdl-prepare` is run).";
     };
 
     flake = mkOption {
       type = types.nullOr types.str;
       default = flakeDefault;
-      defaultText = literalExpression ''"path:''${self}?narHash=..." (this flake, pinned)'';
+      defaultText = literalExpression "\"path:\${self}?narHash=\${self.narHash}\"";
       example = "github:example/fleet";
       description = ''
         Flake providing the libtorch variants and the training build, written
@@ -290,7 +290,7 @@ in
         '';
       }
       {
-        assertion = lib.all (u: builtins.match "[a-zA-Z0-9@%:_.\\-]+[.](service|socket|target|path|timer|mount)" u != null) cfg.before;
+        assertion = lib.all (u: builtins.match "[a-zA-Z0-9@%:_.\\-]+[.](service|socket|device|mount|automount|swap|target|path|timer|scope|slice)" u != null) cfg.before;
         message = ''
           services.fdl-prepare.before takes full unit names (e.g. "fdl-join.service"), got
           ${builtins.toJSON cfg.before}.
@@ -319,7 +319,7 @@ in
       # fetches, git for git sources.
       path = [
         config.nix.package
-        pkgs.sshfs
+        pkgs.sshfs-fuse
         pkgs.fuse3
         pkgs.fuse
         pkgs.openssh

@@ -109,7 +109,7 @@ let
         generate = name: value: writeText name (toTOML value);
       };
     nix = fakePackage "nix" "2.28.3";
-    sshfs = fakePackage "sshfs" "3.7.3";
+    sshfs-fuse = fakePackage "sshfs" "3.7.3";
     fuse = fakePackage "fuse" "2.9.9";
     fuse3 = fakePackage "fuse3" "3.16.2";
     openssh = fakePackage "openssh" "10.0p2";
@@ -296,4 +296,9 @@ in
         unitText = unitText;
       };
   settings = cfg.services.fdl-prepare.settings;
+  # What the NixOS manual would render for each option.
+  options = map (o: {
+    inherit (o) name description type;
+    default = o.default.text or null;
+  }) (lib.filter (o: o.visible && !o.internal) (lib.optionAttrSetToDocList nixos.options.services.fdl-prepare));
 }

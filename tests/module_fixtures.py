@@ -5,7 +5,7 @@ NIXPKGS_LIB (the `lib` directory itself; never committed). Without it, or
 without `nix-instantiate`, the tests that need it skip and say why.
 
 tests/module_eval.nix holds the stand-ins for the NixOS options the module
-sets; its packages live under a per-test `fake_root`, where this fixture
+sets; its packages live under a per-test fake root, where this fixture
 links the host's real executables (the console script, nix, sshfs, ssh,
 fusermount, git, systemctl) so the unit's ExecStart and PATH can be run and
 verified as they are.
@@ -65,6 +65,7 @@ class Evaluated:
     settings: dict[str, Any]
     systemd_version: str
     fake_root: Path
+    options: list[dict[str, Any]]
 
     @property
     def service_config(self) -> dict[str, Any]:
@@ -135,6 +136,7 @@ class ModuleEvaluator:
             settings=raw["settings"],
             systemd_version=raw["systemdVersion"],
             fake_root=self.fake_root,
+            options=raw["options"],
         )
 
     def cleanup(self) -> None:
@@ -149,7 +151,7 @@ class EvalError(Exception):
 
 
 @pytest.fixture(scope="session")
-def nixpkgs_lib() -> Path:
+def module_nixpkgs_lib() -> Path:
     value = os.environ.get("NIXPKGS_LIB")
     if not value:
         pytest.skip(
@@ -165,7 +167,7 @@ def nixpkgs_lib() -> Path:
 
 
 @pytest.fixture
-def fake_root(tmp_path: Path) -> Path:
+def module_fake_root(tmp_path: Path) -> Path:
     root = tmp_path / "pkgs"
     (root / "fdl-prepare" / "bin").mkdir(parents=True)
     script = console_script()
@@ -187,9 +189,9 @@ def fake_root(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def evaluate_module(nixpkgs_lib: Path, fake_root: Path, tmp_path: Path) -> Iterator[ModuleEvaluator]:
+def evaluate_module(module_nixpkgs_lib: Path, module_fake_root: Path, tmp_path: Path) -> Iterator[ModuleEvaluator]:
     work = tmp_path / "eval"
     work.mkdir()
-    evaluator = ModuleEvaluator(lib=nixpkgs_lib, fake_root=fake_root, work=work)
+    evaluator = ModuleEvaluator(lib=module_nixpkgs_lib, fake_root=module_fake_root, work=work)
     yield evaluator
     evaluator.cleanup()

@@ -13,8 +13,12 @@ import os
 import re
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 import pytest
 
@@ -149,6 +153,16 @@ def test_the_package_option_replaces_the_flakes_front_end(evaluate_module, tmp_p
         host(f'package = {{ type = "derivation"; name = "fdl-prepare-dev"; outPath = "{mine}"; outputs = [ "out" ]; }};')
     )
     assert unit.exec_start[0] == f"{mine}/bin/fdl-prepare"
+
+
+def test_every_option_is_documented_for_the_manual(evaluate_module):
+    unit = evaluate_module(ENABLED)
+    names = {o["name"] for o in unit.options}
+    for name in ("enable", "package", "flake", "settings", "settings.join.data_source",
+                 "settings.join.ssh.identity_file", "settings.join.source.from", "before", "sshAuthSock"):
+        assert f"services.fdl-prepare.{name}" in names, name
+    for option in unit.options:
+        assert option["description"], option["name"]
 
 
 # -- the rendered settings -----------------------------------------------------
