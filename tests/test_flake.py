@@ -9,10 +9,11 @@ since Nix 2.8 cannot evaluate current nixpkgs.
 
 from __future__ import annotations
 
-import hashlib
 import base64
+import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -312,6 +313,49 @@ def test_the_production_flake_reads_its_variants_without_importing_nixpkgs(env, 
     shared = nix_json(env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply", apply)
 
     assert got == shared
+
+
+# nixpkgs as nixos-25.05 at the pinned revision, recorded the way `nix flake
+# lock` records it; used only where the repository has no flake.lock yet.
+NIXPKGS_LOCK = {
+    "lastModified": 1758346548,
+    "narHash": "sha256-afXE7AJ7MY6wY1pg/Y6UPHNYPy5GtUKeBkrZZ/gC71E=",
+    "owner": "NixOS",
+    "repo": "nixpkgs",
+    "type": "github",
+}
+
+
+def test_a_locked_production_flake_reads_variants_and_recipe_without_fetching_nixpkgs(env, production, tmp_path):
+    dest = Path(production.removeprefix("path:"))
+    if (REPO / "flake.lock").exists():
+        shutil.copy(REPO / "flake.lock", dest / "flake.lock")
+    else:
+        rev = re.search(r'nixpkgs\.url = "github:NixOS/nixpkgs/([0-9a-f]{40})"', (REPO / "flake.nix").read_text())
+        assert rev, "flake.nix must pin nixpkgs by a full revision"
+        node = {**NIXPKGS_LOCK, "rev": rev.group(1)}
+        original = {key: node[key] for key in ("owner", "repo", "type", "rev")}
+        (dest / "flake.lock").write_text(json.dumps({
+            "nodes": {
+                "nixpkgs": {"locked": node, "original": original},
+                "root": {"inputs": {"nixpkgs": "nixpkgs", "recipe": [], "source": []}},
+            },
+            "root": "root",
+            "version": 7,
+        }))
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cu128", bin="train")
+    quiet = ["--log-format", "internal-json", "--option", "download-attempts", "1"]
+
+    variants = nix(env, "eval", "--json", "--no-write-lock-file", f"{production}#{FDL}.variants", *quiet)
+    checked = nix(env, "eval", "--json", f"{production}#{FDL}.recipe", *quiet,
+                  *overrides(prefetch(env, EXAMPLE), recipe))
+
+    for done in (variants, checked):
+        assert done.returncode == 0, done.stderr
+        transfers = [e for e in build_events(done.stderr) if e.get("action") == "start" and e.get("type") == 101]
+        assert transfers == [] and "download" not in done.stderr
+    assert json.loads(variants.stdout)["cu128"]["archs"] == CU128_ARCHS
+    assert json.loads(checked.stdout)["libtorch"] == "cu128"
 
 
 def test_the_production_libtorch_is_2_7_0_from_pytorchs_archives(env, production, nixpkgs):
