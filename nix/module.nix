@@ -59,6 +59,7 @@ let
 
   isSshfs = join.data_source != null && lib.hasPrefix "sshfs://" join.data_source;
   sshOptions = if join.ssh.options == null then [ ] else join.ssh.options;
+  # OpenSSH keywords are case-insensitive and take `=` or a space.
   hasIdentityOption = lib.any (o: builtins.match "[[:space:]]*[Ii][Dd][Ee][Nn][Tt][Ii][Tt][Yy][Ff][Ii][Ll][Ee][[:space:]=].*" o != null) sshOptions;
 
   flakeDefault = "path:${self}" + lib.optionalString (self ? narHash) "?narHash=${self.narHash}";
@@ -256,6 +257,13 @@ in
     services.fdl-prepare.settings.join.flake = mkIf (cfg.flake != null) (mkDefault cfg.flake);
 
     assertions = [
+      {
+        assertion = systemdAtLeast "244";
+        message = ''
+          services.fdl-prepare needs systemd 244 or later, which accepts Restart=on-failure on a
+          Type=oneshot unit; systemd.package is ${lib.getVersion config.systemd.package}.
+        '';
+      }
       {
         assertion = !isSshfs || join.ssh.identity_file != null || hasIdentityOption || cfg.sshAuthSock != null;
         message = ''

@@ -94,6 +94,13 @@ def test_exponential_backoff_is_set_only_where_systemd_has_it(evaluate_module):
     assert new.service_config["RestartMaxDelaySec"] == "10min"
 
 
+def test_a_systemd_that_refuses_restart_on_a_oneshot_is_named(evaluate_module):
+    unit = evaluate_module(ENABLED, systemd_version="243")
+    (message,) = unit.failed_assertions
+    assert "systemd 244" in message and "243" in message
+    assert evaluate_module(ENABLED, systemd_version="244").failed_assertions == []
+
+
 def test_the_backoff_can_be_tuned_through_service_config(evaluate_module):
     unit = evaluate_module(
         "{ services.fdl-prepare.enable = true;"
