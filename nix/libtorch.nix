@@ -20,10 +20,10 @@
     package = libtorch-bin;
   };
 
-  # libtorch 2.7.0 + CUDA 12.8 as PyTorch ships it: SASS for these compute
-  # capabilities and no PTX. Pascal (6.x) and Volta (7.0) are gone from the
-  # 12.8 builds; a fleet with such cards adds a cu126 variant (nix/CONTRACT.md,
-  # "Adding a variant") instead of hoping a JIT rescues it at run time.
+  # libtorch 2.7.0 + CUDA 12.8 as PyTorch builds it: kernels for these
+  # compute capabilities. Pascal (6.x) and Volta (7.0) are not among them; a
+  # fleet with such cards adds a cu126 variant (nix/CONTRACT.md, "Adding a
+  # variant") rather than finding out at the first kernel launch.
   cu128 = {
     cuda = "12.8";
     archs = [ "7.5" "8.0" "8.6" "9.0" "10.0" "12.0" ];

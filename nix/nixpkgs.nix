@@ -5,10 +5,10 @@ pkgs:
 let
   inherit (pkgs) lib fetchzip;
 
-  # libtorch is pinned here rather than taken as nixpkgs ships it. No nixpkgs
-  # revision ever carried libtorch-bin 2.7.0: master went from 2.5.0+cu124
-  # straight to 2.9.0+cu130 (NixOS/nixpkgs#456389), and the 2.7.0+cu128 bump
-  # (NixOS/nixpkgs#412902) was closed unmerged. We keep nixpkgs' recipe
+  # libtorch is pinned here rather than taken as nixpkgs ships it, because no
+  # nixpkgs branch carried libtorch-bin 2.7.0: master went from 2.5.0+cu124
+  # (also what nixos-25.05 has) to 2.9.0+cu130 in NixOS/nixpkgs#456389, and
+  # the 2.7.0+cu128 bump, NixOS/nixpkgs#412902, was closed without merging. We keep nixpkgs' recipe
   # (bin.nix: split out/dev outputs, rpath fix-ups, `cudaSupport` switch) and
   # swap in the 2.7.0 archives, with the hashes that PR computed for them
   # (`nix-prefetch-url --unpack`, i.e. fetchzip's hash of the unpacked tree).

@@ -270,6 +270,8 @@ def test_the_example_manifest_parses_with_every_field_typed():
 @pytest.fixture
 def production(tmp_path: Path) -> str:
     """A copy of what the production flake reads from this repository."""
+    if SYSTEM != "x86_64-linux":
+        pytest.skip(f"the production flake is wired for x86_64-linux only, this is {SYSTEM}")
     dest = tmp_path / "production"
     dest.mkdir()
     shutil.copy(REPO / "flake.nix", dest / "flake.nix")
@@ -358,11 +360,29 @@ def test_a_locked_production_flake_reads_variants_and_recipe_without_fetching_ni
     assert json.loads(checked.stdout)["libtorch"] == "cu128"
 
 
+def test_the_documented_downstream_flake_adds_a_variant_without_editing_this_repository(env, production, tmp_path):
+    contract = (REPO / "nix" / "CONTRACT.md").read_text()
+    section = contract[contract.index("## Adding a variant"):]
+    example = section[section.index("```nix\n") + len("```nix\n"):section.index("\n```\n")]
+    downstream = tmp_path / "downstream"
+    downstream.mkdir()
+    (downstream / "flake.nix").write_text(example.replace('"github:<owner>/fdl-prepare"', f'"{production}"'))
+    throwing = standin(tmp_path, 'throw "nixpkgs was imported"\n')
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cu124", bin="train")
+    common = ["--override-input", "fdl-prepare/nixpkgs", throwing, *overrides(prefetch(env, EXAMPLE), recipe)]
+
+    variants = nix_json(env, "eval", f"path:{downstream}#{FDL}.variants", *common)
+    checked = nix_json(env, "eval", f"path:{downstream}#{FDL}.recipe", *common)
+
+    assert set(variants) == {"cpu", "cu128", "cu124"}
+    assert variants["cu124"]["cuda"] == "12.4" and "7.0" in variants["cu124"]["archs"]
+    assert checked["libtorch"] == "cu124"
+
+
 def test_the_production_libtorch_is_2_7_0_from_pytorchs_archives(env, production, nixpkgs):
     apply = "d: { inherit (d) version cudaSupport; url = d.src.url; }"
     common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
-    if SYSTEM != "x86_64-linux":
-        pytest.skip("the production flake is wired for x86_64-linux only")
+
 
     cpu = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cpu", "--apply", apply, *common)
     cu128 = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cu128", "--apply", apply, *common)
@@ -374,8 +394,6 @@ def test_the_production_libtorch_is_2_7_0_from_pytorchs_archives(env, production
 
 
 def test_the_production_training_build_gets_libtorch_out_and_dev(env, production, nixpkgs, tmp_path):
-    if SYSTEM != "x86_64-linux":
-        pytest.skip("the production flake is wired for x86_64-linux only")
     crate = tmp_path / "source" / "crates" / "train"
     crate.mkdir(parents=True)
     (crate / "Cargo.toml").write_text('[package]\nname = "trainer"\nversion = "0.3.1"\n')
@@ -398,8 +416,6 @@ def test_the_production_training_build_gets_libtorch_out_and_dev(env, production
 
 
 def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, production, nixpkgs):
-    if SYSTEM != "x86_64-linux":
-        pytest.skip("the production flake is wired for x86_64-linux only")
     common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
 
     app = nix_json(env, "eval", f"{production}#packages.{SYSTEM}.fdl-prepare", "--apply",
