@@ -383,7 +383,6 @@ def test_the_production_libtorch_is_2_7_0_from_pytorchs_archives(env, production
     apply = "d: { inherit (d) version cudaSupport; url = d.src.url; }"
     common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
 
-
     cpu = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cpu", "--apply", apply, *common)
     cu128 = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cu128", "--apply", apply, *common)
 
