@@ -269,7 +269,7 @@ def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step:
             installables += [f"{fdl}.training", fetched.store_path]
 
         step("build", ", ".join(_short(i) for i in installables))
-        out_link = os.path.join(state, "gcroots", "result")
+        out_link = os.path.join(state, "gcroots", "run")
         results, log = nix.build(
             installables,
             out_link=out_link,
@@ -342,7 +342,7 @@ def _outputs(results: list[dict[str, Any]]) -> set[str]:
 
 def _prune_links(out_link: str, paths: set[str]) -> None:
     """Drop out-links left by an earlier attempt that built more things
-    (`result-3` from a build with one more output): they would pin old
+    (`run-3` from a build with one more output): they would pin old
     outputs forever."""
     directory, base = os.path.split(out_link)
     for name in os.listdir(directory):

@@ -14,6 +14,10 @@ Every call goes through `Nix`, which holds the flags every call shares:
   substituters or read the environment behind the operator's back.
 - `--no-write-lock-file`: the flake may live in a read-only store path, and a
   prepare must not edit the operator's checkout.
+- `--no-eval-cache` on eval and build: Nix 2.8 caches a *failed* evaluation of
+  a locked flake and answers the repeat with a generic "is not an attribute
+  set", which would hide the `throw` message a 3 a.m. operator needs
+  (nix/CONTRACT.md). The flake's evaluation costs milliseconds anyway.
 
 Failures are classified by the *phase* a call belongs to (evaluation, input
 fetch, build) and the error records Nix wrote, never by the exit code beyond
@@ -510,7 +514,7 @@ class Nix:
     def eval_json(self, installable: str, *, apply: str | None = None, timeout: float = EVAL_TIMEOUT_S,
                   doing: str | None = None, fix: str | None = None) -> Any:
         self._ensure_registry()
-        argv = self._common() + ["eval", "--json", "--no-write-lock-file", installable]
+        argv = self._common() + ["eval", "--json", "--no-write-lock-file", "--no-eval-cache", installable]
         if apply is not None:
             argv += ["--apply", apply]
         outcome = self._call(argv, timeout, doing or f"evaluating {installable}", EVALUATION, fix=fix)
@@ -548,10 +552,12 @@ class Nix:
     ) -> tuple[list[dict[str, Any]], Log]:
         """`nix build --json` of `installables`, each override an
         `--override-input NAME URL`. Out-links, where asked, are GC roots
-        named `<out_link>`, `<out_link>-1`, ... in the order Nix picks; the
-        JSON result says which store path each one holds."""
+        named `<out_link>`, `<out_link>-1`, ... in the order of Nix's JSON
+        result, which is not the installables' order (2.8 sorts them: plain
+        store paths first, then by derivation path); the JSON says which
+        store path each one holds."""
         self._ensure_registry()
-        argv = self._common() + ["build", "--json", "--no-write-lock-file"]
+        argv = self._common() + ["build", "--json", "--no-write-lock-file", "--no-eval-cache"]
         argv += ["--out-link", out_link] if out_link else ["--no-link"]
         if timeout_s is not None:
             # Nix's own limit kills the builder and reports the timeout in a

@@ -299,7 +299,7 @@ def test_a_build_without_a_source_builds_libtorch_only(nix_env, test_flake, stat
     got, _ = run(spec(test_flake, state_dir))
     assert got.bin is None and got.args is None and got.run_id is None
     assert got.libtorch.variant == "cpu"
-    assert os.path.realpath(os.path.join(state_dir, "gcroots", "result")) == got.libtorch.path
+    assert os.path.realpath(os.path.join(state_dir, "gcroots", "run")) == got.libtorch.path
 
 
 def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, state_dir, git_source):
@@ -312,7 +312,7 @@ def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, sta
     # Nix registered them: the store's own list of roots names our links.
     listed = subprocess.run(["nix-store", "--gc", "--print-roots"], capture_output=True, text=True,
                             env={**os.environ, "NIX_CONFIG": NIX_CONFIG}).stdout
-    assert os.path.join(roots, "result") in listed
+    assert os.path.join(roots, "run") in listed
 
 
 def test_a_redial_after_a_new_commit_rebuilds_only_the_training_derivation(nix_env, test_flake, state_dir,

@@ -110,7 +110,7 @@ exec {real} "$@"
         assert "--impure" not in argv and "--accept-flake-config" not in argv
         assert "--json" in argv
     for argv in (argvs[1], argvs[3]):
-        assert "--no-write-lock-file" in argv
+        assert "--no-write-lock-file" in argv and "--no-eval-cache" in argv
     build_argv = argvs[3]
     i = build_argv.index("source")
     assert build_argv[i - 1] == "--override-input" and build_argv[i + 1].startswith("path:/nix/store/")

@@ -1,0 +1,137 @@
+"""The run manifest (.fdl-run.toml) and its merge over the box's recipe."""
+
+from __future__ import annotations
+
+import pytest
+
+from prepare.fail import Fail
+from prepare.manifest import FILENAME, Manifest, age, check_box, merge, notes_for, parse, read
+from prepare.spec import SourceSpec
+
+URL = "git+https://git.example/train?ref=main"
+
+FULL = """
+bin = "train"
+cwd = "crates/train"
+build = "cargo build --release"
+args = ["--epochs", "3"]
+run = "run-42"
+built = true
+published_epoch = 1767225600
+origin = "controller-a"
+"""
+
+
+def test_a_full_manifest_parses_every_field():
+    got = parse(FULL)
+    assert got == Manifest(bin="train", cwd="crates/train", build="cargo build --release", args=("--epochs", "3"),
+                           run="run-42", built=True, published_epoch=1767225600, origin="controller-a")
+
+
+def test_a_published_manifest_outranks_the_boxs_own_recipe():
+    box = SourceSpec(from_=URL, cwd=".", build="make", bin="old")
+    recipe = merge(box, parse(FULL), URL)
+    assert (recipe.bin, recipe.cwd, recipe.build) == ("train", "crates/train", "cargo build --release")
+    assert recipe.args == ("--epochs", "3") and recipe.run_id == "run-42"
+    assert recipe.to_json("cu128", 1) == {"contract": 1, "libtorch": "cu128", "cwd": "crates/train",
+                                          "build": "cargo build --release", "bin": "train"}
+
+
+def test_a_manifest_that_omits_a_field_keeps_the_boxs_value():
+    box = SourceSpec(from_=URL, cwd="app", build="make train", bin="boxbin")
+    recipe = merge(box, parse('bin = "train"\nrun = "r"\n'), URL)
+    assert recipe.bin == "train"  # from the manifest
+    assert recipe.cwd == "app" and recipe.build == "make train"  # kept from the box
+
+
+def test_no_manifest_uses_the_box_recipe_with_defaults():
+    recipe = merge(SourceSpec(from_=URL, bin="train"), None, URL)
+    assert (recipe.bin, recipe.cwd, recipe.build, recipe.args, recipe.run_id) == ("train", ".", None, None, None)
+    assert not recipe.has_manifest
+
+
+def test_no_manifest_and_no_bin_is_transient_and_names_the_fixes():
+    with pytest.raises(Fail) as caught:
+        merge(SourceSpec(from_=URL), None, URL)
+    assert not caught.value.permanent
+    assert URL in caught.value.message
+    assert "fdl publish" in caught.value.message and "source.bin" in caught.value.message
+
+
+def test_a_manifest_without_bin_on_a_box_without_bin_is_transient():
+    with pytest.raises(Fail) as caught:
+        merge(SourceSpec(from_=URL), parse('run = "r"\n'), URL)
+    assert not caught.value.permanent
+    assert FILENAME in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('bin = "train"\nargs = "--epochs 3"\n', "args"),
+        ('bin = "train"\nargs = [1, 2]\n', "args"),
+        ("bin = 7\n", "bin"),
+        ('bin = "t"\nbuilt = "yes"\n', "built"),
+        ('bin = "t"\npublished_epoch = true\n', "published_epoch"),
+        ('bin = "t"\npublished_epoch = "yesterday"\n', "published_epoch"),
+    ],
+)
+def test_a_manifest_with_a_wrong_type_is_transient_and_names_the_key(text, key):
+    with pytest.raises(Fail) as caught:
+        parse(text)
+    assert not caught.value.permanent  # the next publish fixes it
+    assert f"{key} =" in caught.value.message and FILENAME in caught.value.message
+
+
+def test_a_manifest_that_is_not_toml_is_transient():
+    with pytest.raises(Fail) as caught:
+        parse('bin = "train\n')
+    assert not caught.value.permanent
+    assert "not valid TOML" in caught.value.message
+
+
+@pytest.mark.parametrize("bad", ["/usr/bin/train", "../train", "a/../../b"])
+def test_a_path_escaping_the_tree_is_refused_transient_from_a_manifest_permanent_from_the_box(bad):
+    with pytest.raises(Fail) as caught:
+        merge(SourceSpec(from_=URL), parse(f'bin = "{bad}"\n'), URL)
+    assert not caught.value.permanent
+    with pytest.raises(Fail) as caught:
+        check_box(SourceSpec(from_=URL, bin=bad))
+    assert caught.value.permanent
+    assert "source.bin" in caught.value.message and "--source-bin" in caught.value.message
+    with pytest.raises(Fail) as caught:
+        check_box(SourceSpec(from_=URL, cwd=bad))
+    assert "--source-cwd" in caught.value.message
+
+
+def test_unknown_keys_are_ignored_with_a_note():
+    got = parse('bin = "t"\nepochs = 3\n')
+    assert got.unknown == ("epochs",)
+    notes = notes_for(merge(SourceSpec(from_=URL), got, URL), got, 0)
+    assert any("epochs" in n for n in notes)
+
+
+def test_read_returns_none_without_a_manifest_and_parses_one_that_is_there(tmp_path):
+    assert read(str(tmp_path)) is None
+    (tmp_path / FILENAME).write_text(FULL)
+    assert read(str(tmp_path)).run == "run-42"
+
+
+@pytest.mark.parametrize(
+    ("delta", "want"),
+    [(0, "0s ago"), (42, "42s ago"), (300, "5m ago"), (3 * 3600 + 600, "3h10m ago"), (20 * 3600, "20h ago"), (30 * 3600, "1d ago"),
+     (3 * 86400, "3d ago")],
+)
+def test_the_age_reads_like_published_5m_ago(delta, want):
+    assert age(1_000_000, 1_000_000 + delta) == want
+
+
+def test_a_publish_from_the_future_says_to_check_the_clock():
+    assert "clock" in age(1_000_000 + 7200, 1_000_000)
+
+
+def test_notes_name_the_run_its_age_and_a_build_the_controller_did_not_make():
+    manifest = parse('bin = "t"\nrun = "run-9"\nbuilt = false\npublished_epoch = 1000\norigin = "ctl"\n')
+    notes = notes_for(merge(SourceSpec(from_=URL), manifest, URL), manifest, 1300)
+    assert notes[0] == "run run-9, published 5m ago, from ctl"
+    assert "NOT built by the controller" in notes[1]

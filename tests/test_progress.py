@@ -1,0 +1,102 @@
+"""Progress display: plain lines off a terminal, a live table on one."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import select
+import time
+
+import pytest
+
+from nix_fixtures import trainer
+from prepare import progress
+from prepare.build import build
+from prepare.spec import PrepareSpec, SourceSpec
+
+EVENTS = [
+    {"type": "step", "name": "build", "detail": "libtorch.cpu, training"},
+    {"type": "download-start", "id": 1, "name": "https://cache.example/abc.narinfo"},
+    {"type": "download-done", "id": 1, "name": "https://cache.example/abc.narinfo", "bytes": 300, "seconds": 0.1},
+    {"type": "download-start", "id": 2, "name": "https://cache.example/nar/abc.nar.xz"},
+    {"type": "download-progress", "id": 2, "name": "https://cache.example/nar/abc.nar.xz", "done": 1 << 20,
+     "expected": 3 << 20},
+    {"type": "download-done", "id": 2, "name": "https://cache.example/nar/abc.nar.xz", "bytes": 3 << 20,
+     "seconds": 2.0},
+    {"type": "build-start", "id": 3, "name": "fdl-test-training-cpu"},
+    {"type": "build-phase", "id": 3, "name": "fdl-test-training-cpu", "phase": "buildPhase"},
+    {"type": "build-done", "id": 3, "name": "fdl-test-training-cpu", "seconds": 1.5, "ok": True, "outcome": "built"},
+    {"type": "build-start", "id": 4, "name": "broken"},
+    {"type": "build-done", "id": 4, "name": "broken", "seconds": 0.2, "ok": False, "outcome": "failed"},
+    {"type": "something-new", "id": 5},
+    {"type": "end"},
+]
+
+
+def test_off_a_terminal_each_build_and_download_is_one_plain_line():
+    out = io.StringIO()
+    render = progress.renderer(out)
+    assert isinstance(render, progress.PlainRenderer)
+    for event in EVENTS:
+        render(event)
+    assert out.getvalue().splitlines() == [
+        "fdl-prepare: downloading https://cache.example/nar/abc.nar.xz",
+        "fdl-prepare: downloaded https://cache.example/nar/abc.nar.xz (3.0 MiB, 2.0s)",
+        "fdl-prepare: building fdl-test-training-cpu",
+        "fdl-prepare: built fdl-test-training-cpu (1.5s)",
+        "fdl-prepare: building broken",
+        "fdl-prepare: build failed: broken (0.2s)",
+    ]
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+def test_an_interrupted_build_is_not_reported_as_built():
+    out = io.StringIO()
+    render = progress.PlainRenderer(out)
+    render({"type": "build-done", "id": 1, "name": "train", "seconds": 3.0, "ok": False, "outcome": "stopped"})
+    assert out.getvalue() == "fdl-prepare: build stopped: train (3.0s)\n"
+
+
+@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (5 << 30, "5.0 GiB")])
+def test_sizes_read_in_binary_units(n, text):
+    assert progress.size(n) == text
+
+
+def test_on_a_terminal_the_display_is_live_and_shows_builds_and_bytes():
+    pytest.importorskip("rich")
+    master, slave = pty.openpty()
+    stream = os.fdopen(slave, "w", buffering=1)
+    seen = b""
+    try:
+        render = progress.renderer(stream)
+        assert isinstance(render, progress.LiveRenderer)
+        for event in EVENTS[:-1]:
+            render(event)
+        time.sleep(0.3)  # at least one refresh of the live display
+        render(EVENTS[-1])
+        stream.flush()
+        while select.select([master], [], [], 0.2)[0]:
+            chunk = os.read(master, 65536)
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        stream.close()
+        os.close(master)
+    text = seen.decode("utf-8", "replace")
+    assert "fdl-test-training-cpu" in text
+    assert "built" in text and "failed" in text
+    assert "3.0 MiB" in text
+    assert "narinfo" not in text
+
+
+def test_a_real_build_prints_its_start_and_finish_off_a_terminal(nix_env, test_flake, git_source, state_dir):
+    src = git_source(trainer())
+    out = io.StringIO()
+    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
+                       state_dir=state_dir)
+    build(spec, None, [], progress=progress.renderer(out))
+    lines = out.getvalue().splitlines()
+    assert "fdl-prepare: building fdl-test-training-cpu" in lines
+    assert any(line.startswith("fdl-prepare: built fdl-test-training-cpu (") for line in lines)

@@ -1,0 +1,175 @@
+"""libtorch variant choice and arch coverage: pure functions over the flake's
+variant metadata and the devices the gate offers."""
+
+from __future__ import annotations
+
+import pytest
+
+from prepare.fail import Fail
+from prepare.gate import Device, Gpus
+from prepare.variants import Arch, check_coverage, choose, covers, parse_arch, parse_variants
+
+FLAKE = "path:/srv/fdl"
+
+# The metadata nix/libtorch.nix ships, as `nix eval --json` prints it.
+SHIPPED = {
+    "cpu": {"label": "cpu", "cuda": None, "archs": []},
+    "cu128": {"label": "cu128", "cuda": "12.8", "archs": ["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]},
+}
+WITH_CU126 = {
+    **SHIPPED,
+    "cu126": {"label": "cu126", "cuda": "12.6", "archs": ["5.0", "6.0", "7.0", "7.5", "8.0", "8.6", "9.0"]},
+}
+
+
+def card(index: int, capability: tuple[int, int] | None, name: str = "NVIDIA Test Card") -> Device:
+    return Device(index=index, name=name, uuid=f"GPU-{index}", capability=capability, memory_total=None,
+                  usable=True, error=None)
+
+
+def box(*caps: tuple[int, int] | None, cuda: tuple[int, int] | None = (12, 8)) -> Gpus:
+    devices = tuple(card(i, c) for i, c in enumerate(caps))
+    return Gpus(driver_version="570.86.15", cuda_driver_version=cuda, devices=devices, offered=devices)
+
+
+def variants(raw=SHIPPED):
+    return parse_variants(raw, FLAKE)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("8.6", Arch(8, 6)),
+        ("9.0+PTX", Arch(9, 0, True)),
+        ("10.0", Arch(10, 0)),
+        ("sm_86", Arch(8, 6)),
+        ("86", Arch(8, 6)),
+        ("12.0 + ptx", Arch(12, 0, True)),
+    ],
+)
+def test_arch_strings_parse_the_way_torch_spells_them(text, want):
+    assert parse_arch(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "eight", "8", "8.x", "+PTX"])
+def test_a_malformed_arch_is_refused(text):
+    with pytest.raises(ValueError):
+        parse_arch(text)
+
+
+@pytest.mark.parametrize(
+    ("archs", "capability", "covered"),
+    [
+        (["8.0"], (8, 6), True),  # SASS runs forward within a major
+        (["8.6"], (8, 0), False),  # never backward
+        (["8.6"], (9, 0), False),  # never across a major
+        (["7.5", "8.0"], (8, 9), True),
+        (["9.0+PTX"], (12, 0), True),  # PTX JIT-compiles for anything newer
+        (["9.0+PTX"], (8, 6), False),
+        (["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"], (6, 1), False),  # Pascal vs cu128
+        (["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"], (7, 0), False),  # Volta vs cu128
+        (["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"], (12, 1), True),
+        ([], (8, 6), False),
+    ],
+)
+def test_coverage_follows_how_cuda_loads_kernels(archs, capability, covered):
+    assert covers([parse_arch(a) for a in archs], capability) is covered
+
+
+def test_an_uncovered_card_is_permanent_and_names_card_capability_archs_and_fixes():
+    v = variants()
+    gpus = box((8, 6), (6, 1))
+    with pytest.raises(Fail) as caught:
+        check_coverage(v["cu128"], gpus, v)
+    msg = caught.value.message
+    assert caught.value.permanent
+    assert "GPU 1" in msg and "NVIDIA Test Card" in msg and "6.1" in msg
+    assert "7.5, 8.0, 8.6, 9.0, 10.0, 12.0" in msg
+    assert "--devices 0" in msg  # the covered card alone is a fix
+    assert "--libtorch" in msg
+    assert "GPU 0" not in msg
+
+
+def test_the_fix_names_a_variant_that_does_cover_the_card():
+    v = variants(WITH_CU126)
+    with pytest.raises(Fail) as caught:
+        check_coverage(v["cu128"], box((6, 1)), v)
+    assert "libtorch = 'cu126'" in caught.value.message
+
+
+def test_a_card_with_an_unknown_capability_is_not_refused():
+    check_coverage(variants()["cu128"], box(None, (8, 6)), variants())
+
+
+def test_cpu_only_forces_cpu_and_refuses_a_cuda_variant():
+    v = variants()
+    notes: list[str] = []
+    assert choose("auto", v, None, True, FLAKE, notes).label == "cpu"
+    assert choose(None, v, None, True, FLAKE, notes).label == "cpu"
+    with pytest.raises(Fail) as caught:
+        choose("cu128", v, None, True, FLAKE, [])
+    assert caught.value.permanent
+    assert "--cpu-only" in caught.value.message and "--libtorch" in caught.value.message
+
+
+def test_an_unknown_variant_is_permanent_and_lists_the_flakes_variants():
+    with pytest.raises(Fail) as caught:
+        choose("rocm6", variants(), box((8, 6)), False, FLAKE, [])
+    msg = caught.value.message
+    assert caught.value.permanent
+    assert "'rocm6'" in msg and FLAKE in msg
+    assert "cpu (CUDA none" in msg and "cu128 (CUDA 12.8" in msg
+
+
+def test_auto_picks_the_newest_cuda_the_driver_runs_that_covers_every_card():
+    v = variants(WITH_CU126)
+    notes: list[str] = []
+    assert choose("auto", v, box((8, 6), (9, 0)), False, FLAKE, notes).label == "cu128"
+    assert "picked cu128" in notes[0] and "8.6, 9.0" in notes[0]
+    # An older driver cannot run 12.8: the 12.6 build serves the same cards.
+    assert choose("auto", v, box((8, 6), cuda=(12, 6)), False, FLAKE, []).label == "cu126"
+    # A Pascal card is covered by cu126 only.
+    assert choose("auto", v, box((6, 1)), False, FLAKE, []).label == "cu126"
+
+
+def test_auto_with_no_variant_for_the_cards_is_permanent_and_says_why():
+    with pytest.raises(Fail) as caught:
+        choose("auto", variants(), box((6, 1)), False, FLAKE, [])
+    msg = caught.value.message
+    assert caught.value.permanent
+    assert "GPU 0" in msg and "6.1" in msg and "--devices" in msg and "--libtorch" in msg
+    with pytest.raises(Fail) as caught:
+        choose("auto", variants(), box((8, 6), cuda=(11, 8)), False, FLAKE, [])
+    assert "11.8" in caught.value.message and "driver" in caught.value.message
+
+
+def test_auto_on_a_box_without_gpus_picks_cpu():
+    assert choose("auto", variants(), None, False, FLAKE, []).label == "cpu"
+
+
+def test_an_explicit_variant_newer_than_the_driver_is_noted_not_refused():
+    notes: list[str] = []
+    assert choose("cu128", variants(), box((8, 6), cuda=(12, 2)), False, FLAKE, notes).label == "cu128"
+    assert any("driver supports CUDA 12.2" in n for n in notes)
+
+
+def test_the_cpu_variant_on_a_gpu_box_is_allowed_with_a_note():
+    notes: list[str] = []
+    assert choose("cpu", variants(), box((8, 6)), False, FLAKE, notes).label == "cpu"
+    assert any("sit idle" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {},
+        None,
+        {"cu128": {"label": "cu128", "cuda": "12.8", "archs": ["eighty-six"]}},
+        {"cu128": "not a set"},
+    ],
+)
+def test_malformed_variant_metadata_is_permanent(raw):
+    with pytest.raises(Fail) as caught:
+        parse_variants(raw, FLAKE)
+    assert caught.value.permanent
+    assert FLAKE in caught.value.message
