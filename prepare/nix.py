@@ -424,7 +424,7 @@ class Outcome:
         return self.completed.returncode == 0
 
 
-_VERSIONS: dict[tuple[str, int, int], tuple[int, int, int]] = {}
+_VERSIONS: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
 
 
 class Nix:
@@ -479,15 +479,22 @@ class Nix:
 
     # -- version -------------------------------------------------------------
     def check_version(self) -> tuple[int, int, int]:
-        """The Nix version, refusing one older than OLDEST. Cached per binary
-        (path, inode, mtime) for the life of the process."""
+        """The Nix version, refusing one older than OLDEST.
+
+        Asking costs a process start (~50 ms, more through the seam's
+        timeout), on every attempt of a loop whose warm path should cost
+        little more than the build itself. The answer depends only on the
+        binary, so it is kept per (real path, inode, size, mtime), in memory
+        and in the state directory; an upgrade replaces the file and asks
+        again."""
         path_var = (self.env or os.environ).get("PATH")
         resolved = self.program if os.sep in self.program else proc.which(self.program, path=path_var)
         if resolved is None or not os.path.exists(resolved):
             raise self._missing()
-        st = os.stat(resolved)
-        key = (os.path.realpath(resolved), st.st_ino, st.st_mtime_ns)
-        version = _VERSIONS.get(key)
+        real = os.path.realpath(resolved)
+        st = os.stat(real)
+        key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
+        version = _VERSIONS.get(key) or self._cached_version(key)
         if version is None:
             self.calls += 1
             try:
@@ -502,13 +509,36 @@ class Nix:
                     f"`{resolved} --version` failed (exit {done.returncode}): "
                     f"{strip_ansi(done.stderr or done.stdout).strip()[:500]!r}; reinstall nix: {INSTALL}"
                 )
-            _VERSIONS[key] = version
+            self._remember_version(key, version)
+        _VERSIONS[key] = version
         if version[:2] < OLDEST:
             raise permanent(
                 f"nix {'.'.join(map(str, version))} at {resolved} is older than {'.'.join(map(str, OLDEST))}, the "
                 f"oldest fdl-prepare supports (flakes and `nix build --json`); {INSTALL}"
             )
         return version
+
+    def _version_file(self) -> str:
+        return os.path.join(self.state_dir, "nix-version.json")
+
+    def _cached_version(self, key: tuple[str, int, int, int]) -> tuple[int, int, int] | None:
+        try:
+            with open(self._version_file(), encoding="utf-8") as handle:
+                data = json.load(handle)
+            if tuple(data["key"]) == key:
+                return tuple(int(x) for x in data["version"])  # type: ignore[return-value]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return None
+
+    def _remember_version(self, key: tuple[str, int, int, int], version: tuple[int, int, int]) -> None:
+        try:
+            tmp = f"{self._version_file()}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as handle:
+                json.dump({"key": list(key), "version": list(version)}, handle)
+            os.replace(tmp, self._version_file())
+        except OSError:
+            pass  # only a cache: the next attempt asks again
 
     # -- calls ---------------------------------------------------------------
     def eval_json(self, installable: str, *, apply: str | None = None, timeout: float = EVAL_TIMEOUT_S,

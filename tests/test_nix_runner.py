@@ -75,6 +75,22 @@ def test_nix_not_on_path_is_permanent_and_names_the_install(tmp_path):
     assert "apt-get install nix-bin" in caught.value.message and "nixos.org" in caught.value.message
 
 
+def test_the_version_is_asked_once_per_binary_until_the_binary_changes(tmp_path):
+    log = tmp_path / "asked"
+    shim = _shim(tmp_path, f'echo asked >> {log}\necho "nix (Nix) 2.18.1"\n')
+    state = tmp_path / "state"
+    state.mkdir()
+    for _ in range(3):
+        nix_mod._VERSIONS.clear()  # as a fresh process would start
+        assert Nix(str(state), program=shim).check_version() == (2, 18, 1)
+    assert log.read_text().splitlines() == ["asked"]
+    # An upgrade replaces the binary: the cached answer no longer applies.
+    Path(shim).write_text(Path(shim).read_text().replace("2.18.1", "2.24.9"))
+    nix_mod._VERSIONS.clear()
+    assert Nix(str(state), program=shim).check_version() == (2, 24, 9)
+    assert len(log.read_text().splitlines()) == 2
+
+
 def test_the_installed_nix_passes_the_version_check(tmp_path):
     require_nix()
     assert Nix(str(tmp_path)).check_version() >= (2, 8, 0)
