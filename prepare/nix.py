@@ -559,7 +559,10 @@ class Nix:
     def prefetch(self, url: str, *, timeout: float = FETCH_TIMEOUT_S, doing: str | None = None,
                  fix: str | None = None) -> Prefetched:
         self._ensure_registry()
-        argv = self._common() + ["flake", "prefetch", "--json", url]
+        # tarball-ttl 0: a remote git ref (or tarball URL) is otherwise
+        # resolved from Nix's cache for an hour, and a re-dial right after a
+        # publish would build the previous commit.
+        argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", url]
         outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH, fix=fix)
         try:
             data = json.loads(outcome.completed.stdout)

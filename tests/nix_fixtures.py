@@ -23,6 +23,12 @@ branch `main` with `files` ({relative path: text}) committed.
 `trainer(build=..., bin=..., manifest=...)` -> files of a minimal training
 source: a build line that writes an executable, and optionally a manifest.
 
+`git_http` (function) -> `(source) -> HttpRemote`: a bare clone of a
+GitSource served over git's "dumb" HTTP protocol by a loopback web server
+in this process (stopped at teardown).
+    .url          git+http://127.0.0.1:<port>/repo.git?ref=main
+    .publish()    pushes the source's main to the remote
+
 `state_dir` (function) -> str: an empty state directory for the runner.
 
 `valid_path(path)` -> bool: whether the store knows `path` as complete.
@@ -36,7 +42,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,6 +195,52 @@ def trainer(
     if manifest:
         files[".fdl-run.toml"] = manifest_text(**manifest)
     return files
+
+
+@dataclass
+class HttpRemote:
+    source: GitSource
+    bare: Path
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"git+http://127.0.0.1:{self.port}/repo.git?ref=main"
+
+    def publish(self) -> None:
+        _git(self.source.path, "push", "-q", "--force", str(self.bare), "main")
+        _git(self.bare, "update-server-info")
+
+
+@pytest.fixture
+def git_http(tmp_path: Path) -> Iterator[Callable[[GitSource], HttpRemote]]:
+    import functools
+    import http.server
+    import threading
+
+    servers: list[http.server.ThreadingHTTPServer] = []
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def make(source: GitSource) -> HttpRemote:
+        root = tmp_path / f"http{len(servers)}"
+        root.mkdir()
+        bare = root / "repo.git"
+        _git(tmp_path, "clone", "-q", "--bare", str(source.path), str(bare))
+        _git(bare, "update-server-info")
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+        servers.append(server)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return HttpRemote(source, bare, server.server_address[1])
+
+    try:
+        yield make
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 @pytest.fixture

@@ -329,6 +329,22 @@ def test_a_redial_after_a_new_commit_rebuilds_only_the_training_derivation(nix_e
     assert any("already in the store: libtorch cpu" in n for n in notes)
 
 
+def test_a_redial_sees_a_new_commit_on_a_remote_ref_at_once(nix_env, test_flake, state_dir, git_source, git_http):
+    """Nix resolves a remote ref from its cache for an hour (tarball-ttl);
+    the runner's fetch must not, or a re-dial right after a publish would
+    build the previous commit."""
+    src = git_source(trainer())
+    remote = git_http(src)
+    first, _ = run(spec(test_flake, state_dir, remote.url))
+    src.commit({"model.txt": f"published just now {time.time_ns()}\n"}, "publish")
+    remote.publish()
+    events: list[dict] = []
+    second, _ = run(spec(test_flake, state_dir, remote.url), events=events)
+    assert os.path.isfile(os.path.join(second.bin.cwd, "model.txt"))
+    assert built_names(events) == ["fdl-test-training-cpu"]
+    assert second.bin.path != first.bin.path
+
+
 def test_a_second_run_with_nothing_changed_builds_and_downloads_nothing(nix_env, test_flake, state_dir,
                                                                        git_source):
     from prepare.pipeline import prepare
