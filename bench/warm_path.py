@@ -1,11 +1,12 @@
 """Warm path: a full `fdl-prepare` when everything is already in the store,
 against a bare `nix build` of the same attributes with the same flags.
 
-    python bench/warm_path.py [-n 15]
+    python bench/warm_path.py [-n 15] [--demo]
 
 Offline (NIX_CONFIG `substituters =`), against a flat copy of the test flake
 and the example training source (examples/trainer) in a temp git repository,
-`--cpu-only --libtorch cpu`. One warm-up run builds everything; then the two
+`--cpu-only --libtorch cpu`; with `--demo`, against the references
+scripts/demo uses (`git+file://<repo>?dir=tests/flake`, `path:<repo>/examples/trainer`). One warm-up run builds everything; then the two
 commands alternate N times in this one process, so a noisy machine slows
 both alike, and the medians and their ratio are printed (target: at most
 1.25x). A third figure, the library call `prepare()` in this process, splits
@@ -57,6 +58,7 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.Compl
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=15, help="alternations (default 15)")
+    parser.add_argument("--demo", action="store_true", help="use scripts/demo's flake and source references")
     args = parser.parse_args()
     if shutil.which("nix") is None:
         print("nix is not installed: nothing to measure", file=sys.stderr)
@@ -69,8 +71,13 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="fdl-bench-warm-"))
     try:
-        flake = flat_flake(tmp / "flake")
-        source = example_source(tmp / "source")
+        if args.demo:
+            flake = f"git+file://{REPO}?dir=tests/flake"
+            source = f"path:{REPO}/examples/trainer"
+        else:
+            flake = flat_flake(tmp / "flake")
+            source = example_source(tmp / "source")
+        print(f"flake {flake}\nsource {source}")
         state = tmp / "state"
         env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "HOME": str(tmp / "home")}
         (tmp / "home").mkdir()

@@ -244,7 +244,7 @@ def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step:
             )
         variants = variants_mod.parse_variants(meta.get("variants"), flake)
         requested = spec.libtorch
-        if requested is None:
+        if requested is None and not spec.cpu_only:
             notes.append("libtorch not set: choosing automatically (libtorch = \"auto\")")
         variant = variants_mod.choose(requested, variants, gpus, spec.cpu_only, flake, notes)
 

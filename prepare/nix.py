@@ -28,6 +28,7 @@ zero/non-zero: `nix build` exits 1 for a failed builder where `nix-store
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -290,22 +291,31 @@ EVALUATION = "evaluation"
 FETCH = "fetch"
 BUILD = "build"
 
-_HASH_MISMATCH = re.compile(r"hash mismatch in fixed-output derivation|hash mismatch importing path|"
-                            r"NAR hash mismatch|got:\s+sha256", re.IGNORECASE)
-_NO_SPACE = re.compile(r"no space left on device|disk quota exceeded|database or disk is full", re.IGNORECASE)
-_DAEMON = re.compile(r"cannot connect to socket at|cannot connect to daemon|daemon-socket.*(connection refused|"
-                     r"no such file)|unexpected end-of-file|error reading from daemon|connection reset by peer",
-                     re.IGNORECASE)
-_TIMEOUT = re.compile(r"timed out after \d+ seconds", re.IGNORECASE)
-_BUILDER = re.compile(r"builder for .* failed|build of .* failed|dependencies couldn't be built|"
-                      r"dependencies of derivation .* failed to build|cannot build|builder failed",
-                      re.IGNORECASE)
-_FETCH = re.compile(
+# Compiled on first use: they only matter once a call has failed, and
+# compiling them at import would cost every warm run ~10 ms.
+_HASH_MISMATCH = r"hash mismatch in fixed-output derivation|hash mismatch importing path|NAR hash mismatch|got:\s+sha256"
+_NO_SPACE = r"no space left on device|disk quota exceeded|database or disk is full"
+_DAEMON = (
+    r"cannot connect to socket at|cannot connect to daemon|daemon-socket.*(connection refused|no such file)|"
+    r"unexpected end-of-file|error reading from daemon|connection reset by peer"
+)
+_TIMEOUT = r"timed out after \d+ seconds"
+_BUILDER = (
+    r"builder for .* failed|build of .* failed|dependencies couldn't be built|"
+    r"dependencies of derivation .* failed to build|cannot build|builder failed"
+)
+_FETCH = (
     r"unable to download|couldn't connect|could not connect|could not resolve|couldn't resolve|"
     r"failed to connect|connection refused|connection timed out|timeout was reached|network is unreachable|"
     r"temporary failure in name resolution|name or service not known|program 'git' failed|unable to access|"
     r"cannot fetch|failed to fetch|unable to fetch|could not read from remote repository|http error|"
-    r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b", re.IGNORECASE)
+    r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b"
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _pattern(source: str) -> re.Pattern[str]:
+    return re.compile(source, re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -335,19 +345,19 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
     while an error after one is the builder's (transient)."""
     text = log.error_text()
     detail = text.strip() or (f"nix exited with status {returncode} and wrote no error" if returncode else "no error text")
-    if _HASH_MISMATCH.search(text):
+    if _pattern(_HASH_MISMATCH).search(text):
         return Diagnosis("hash-mismatch", True, detail)
-    if _NO_SPACE.search(text):
+    if _pattern(_NO_SPACE).search(text):
         return Diagnosis("no-space", True, detail)
     if _store_permission(text):
         return Diagnosis("store-permission", True, detail)
-    if _DAEMON.search(text):
+    if _pattern(_DAEMON).search(text):
         return Diagnosis("daemon", False, detail)
-    if _TIMEOUT.search(text):
+    if _pattern(_TIMEOUT).search(text):
         return Diagnosis("timeout", False, detail)
-    if phase == BUILD and (_BUILDER.search(text) or (log.builds() and not log.errors)):
+    if phase == BUILD and (_pattern(_BUILDER).search(text) or (log.builds() and not log.errors)):
         return Diagnosis("builder", False, detail)
-    if _FETCH.search(text) or _FETCH.search("\n".join(log.other)):
+    if _pattern(_FETCH).search(text) or _pattern(_FETCH).search("\n".join(log.other)):
         return Diagnosis("fetch", False, detail)
     if not log.errors:
         # Killed, crashed, or a failure with nothing said: nothing shows it
