@@ -263,6 +263,7 @@ def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step:
             _note_fetched(fetched, notes)
             manifest = manifest_mod.read(fetched.store_path)
             recipe = manifest_mod.merge(source, manifest, source.from_)
+            manifest_mod.check_tree(recipe, fetched.store_path, source.from_)
             notes.extend(manifest_mod.notes_for(recipe, manifest, time.time()))
             recipe_dir = _write_recipe(state, recipe.to_json(variant.label, CONTRACT))
             overrides = {"source": fetched.pinned_url, "recipe": f"path:{recipe_dir}"}

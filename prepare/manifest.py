@@ -72,6 +72,9 @@ class Recipe:
     published_epoch: int | None = None
     origin: str | None = None
     has_manifest: bool = False
+    # The fields whose value came from the manifest: a bad one is fixed by
+    # the next publish (transient), a bad box value by an operator (permanent).
+    from_manifest: frozenset[str] = frozenset()
 
     def to_json(self, libtorch: str, contract: int) -> dict[str, Any]:
         return {"contract": contract, "libtorch": libtorch, "cwd": self.cwd, "build": self.build, "bin": self.bin}
@@ -177,6 +180,7 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
         published_epoch=manifest.published_epoch if manifest is not None else None,
         origin=manifest.origin if manifest is not None else None,
         has_manifest=manifest is not None,
+        from_manifest=frozenset(k for k, mine in origin_of.items() if mine),
     )
 
 
@@ -221,6 +225,24 @@ def notes_for(recipe: Recipe, manifest: Manifest | None, now: float) -> list[str
     if manifest.unknown:
         out.append(f"{FILENAME} has keys this fdl-prepare does not know, ignored: {', '.join(manifest.unknown)}")
     return out
+
+
+def check_tree(recipe: Recipe, source_root: str, source_url: str) -> None:
+    """`cwd` must be a directory of the fetched tree. Checked here, before
+    the build, because the flake's own refusal is an evaluation error
+    (permanent), while a publish that names a missing directory is fixed by
+    the next publish."""
+    if os.path.isdir(os.path.join(source_root, recipe.cwd)):
+        return
+    if "cwd" in recipe.from_manifest:
+        raise transient(
+            f"the run manifest {FILENAME} in {source_url!r} has cwd = {recipe.cwd!r}, which is not a directory of "
+            f"the published tree: publish a fixed {FILENAME}"
+        )
+    raise permanent(
+        f"source.cwd = {recipe.cwd!r} is not a directory of the training source {source_url!r}: fix [join.source] "
+        "cwd (--source-cwd), or publish a manifest that sets it"
+    )
 
 
 def check_box(box: Any) -> None:

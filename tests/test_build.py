@@ -250,6 +250,19 @@ def test_the_box_recipe_alone_builds_when_nothing_is_published(nix_env, test_fla
     assert any("no run manifest" in n for n in notes)
 
 
+def test_a_published_cwd_missing_from_the_tree_is_transient_and_a_box_cwd_permanent(nix_env, test_flake, state_dir,
+                                                                                    git_source):
+    src = git_source(trainer(manifest={"bin": "train", "cwd": "not-there", "build": "true"}))
+    fail = expect_fail(spec(test_flake, state_dir, src.url))
+    assert not fail.permanent
+    assert "'not-there'" in fail.message and ".fdl-run.toml" in fail.message
+
+    src = git_source(trainer(manifest={}))
+    fail = expect_fail(spec(test_flake, state_dir, src.url, bin="train", cwd="not-there"))
+    assert fail.permanent
+    assert "--source-cwd" in fail.message
+
+
 # -- building -------------------------------------------------------------------------------
 
 
@@ -293,6 +306,22 @@ def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_di
     assert fail.permanent
     assert "hash mismatch" in fail.message
     assert "hash" in fail.message.split("Fix:")[1]
+
+
+def test_an_assertion_failing_in_the_flake_is_permanent(nix_env, make_flake, state_dir):
+    flake = make_flake(extra_nix="""toolchain: {
+  asserted = {
+    cuda = null;
+    archs = [ ];
+    package = assert builtins.pathExists "/nonexistent/fdl-toolkit"; toolchain.mkLibtorch { label = "asserted"; };
+  };
+}
+""")
+    events: list[dict] = []
+    fail = expect_fail(spec(flake, state_dir, libtorch="asserted", cpu_only=False), events=events)
+    assert fail.permanent
+    assert "assertion" in fail.message and "failed" in fail.message
+    assert not any(e["type"] == "build-start" for e in events)
 
 
 def test_a_build_without_a_source_builds_libtorch_only(nix_env, test_flake, state_dir):
