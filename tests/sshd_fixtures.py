@@ -27,7 +27,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,8 +165,7 @@ class Sshd:
         """Start (or restart, on the same port) and wait until it listens."""
         if self.running:
             return
-        log = open(self.home / "sshd.log", "ab")
-        try:
+        with open(self.home / "sshd.log", "ab") as log:
             self.process = subprocess.Popen(
                 [SSHD, "-D", "-e", "-f", str(self.home / "sshd_config")],
                 stdin=subprocess.DEVNULL,
@@ -174,8 +173,6 @@ class Sshd:
                 stderr=log,
                 start_new_session=True,
             )
-        finally:
-            log.close()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -273,7 +270,9 @@ def start_sshd(home: Path) -> Sshd:
             stranger_key=home / "stranger_ed25519",
             known_hosts=known,
         )
-        check = subprocess.run([SSHD, "-t", "-f", str(home / "sshd_config")], capture_output=True, text=True)
+        check = subprocess.run(
+            [SSHD, "-t", "-f", str(home / "sshd_config")], capture_output=True, text=True, check=False
+        )
         if check.returncode != 0:
             pytest.skip(f"sshd rejects the test config: {check.stderr.strip()}")
         try:
@@ -334,7 +333,7 @@ def unmount_everything_at(point: str) -> None:
             return
         for argv in (["fusermount3", "-u", point], ["umount", point], ["umount", "-l", point]):
             try:
-                done = subprocess.run(argv, capture_output=True, timeout=30)
+                done = subprocess.run(argv, capture_output=True, timeout=30, check=False)
             except subprocess.TimeoutExpired:
                 continue
             if done.returncode == 0:
@@ -371,7 +370,7 @@ class SshfsMounts:
         argv = ["sshfs", sshd.remote(remote_dir), str(point), "-o", f"port={sshd.port}"]
         for option in sshd.options + (f"IdentityFile={sshd.user_key}", "BatchMode=yes", *extra):
             argv += ["-o", option]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode == 0, f"sshfs failed: {done.stderr}\n{sshd.log()}"
 
 
