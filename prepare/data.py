@@ -35,6 +35,7 @@ import hashlib
 import os
 import posixpath
 import pwd
+import re
 import sys
 import tempfile
 import time
@@ -217,20 +218,22 @@ def parse_source(value: str) -> Source:
 # -- the sshfs command ---------------------------------------------------------
 
 
+_KEY_VALUE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)(?:\s*=\s*|\s+)(.*)$", re.DOTALL)
+
+
 def _ssh_option(option: str) -> str:
     """One ssh_config option as sshfs takes it after `-o`.
 
-    sshfs splits its `-o` on commas (so `Ciphers=a,b` would become two
-    options and fail) and wants `Key=Value` (ssh_config's `Key Value` is an
-    unknown option to it)."""
+    sshfs wants `Key=Value` (ssh_config's `Key Value` is an unknown option
+    to it), and it splits its `-o` on commas and unescapes backslashes, so
+    `Ciphers=a,b` would become two options unless the comma is escaped."""
     option = option.strip()
     if option.startswith("-o"):
         option = option[2:].strip()
-    if "=" not in option:
-        parts = option.split(None, 1)
-        if len(parts) == 2:
-            option = f"{parts[0]}={parts[1].strip()}"
-    return option.replace(",", "\\,")
+    match = _KEY_VALUE.match(option)
+    if match:
+        option = f"{match.group(1)}={match.group(2).strip()}"
+    return option.replace("\\", "\\\\").replace(",", "\\,")
 
 
 def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> list[str]:
@@ -248,7 +251,11 @@ def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> l
             if option.strip():
                 opt(_ssh_option(option))
         if ssh.identity_file:
-            opt(_ssh_option(f"IdentityFile={ssh.identity_file}"))
+            key = ssh.identity_file
+            # ssh splits an option's value on whitespace unless it is quoted.
+            if any(c.isspace() for c in key):
+                key = f'"{key}"'
+            opt(_ssh_option(f"IdentityFile={key}"))
     # The source's port, not the ssh block's: the data host and the tunnel
     # target can be different machines.
     if source.port is not None:
@@ -658,7 +665,9 @@ def _mount_lock(mountpoint: str, list_timeout_s: float) -> Iterator[None]:
             f"make {os.path.dirname(path)} writable for this user."
         ) from None
     try:
-        wait = MOUNT_TIMEOUT_S + 2 * list_timeout_s + LOCK_GRACE_S
+        # What a holder can spend: a mount, its verbose retry or a remount
+        # of a dead mount, and the listings around them, all bounded.
+        wait = 3 * MOUNT_TIMEOUT_S + 3 * (list_timeout_s + _CHILD_GRACE_S) + LOCK_GRACE_S
         deadline = time.monotonic() + wait
         while True:
             try:

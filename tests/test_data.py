@@ -197,18 +197,29 @@ def test_ro_and_batchmode_are_always_there_and_last_even_with_no_ssh_block() -> 
 
 def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
     ssh = SshSpec(
-        identity_file="/keys/a,b",
-        options=("Ciphers=aes128-ctr,aes256-ctr", "StrictHostKeyChecking no", "-o Compression=yes", "  "),
+        identity_file="/keys/a,b\\c",
+        options=(
+            "Ciphers=aes128-ctr,aes256-ctr",
+            "StrictHostKeyChecking no",
+            "-o Compression=yes",
+            "ProxyCommand ssh -o Port=2 -W %h:%p jump",
+            "  ",
+        ),
     )
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", ssh)
-    # A comma would split one ssh option into two fuse options; `Key Value`
-    # is an unknown option to sshfs; a blank is dropped.
-    assert argv[3:11] == [
+    # A comma would split one ssh option into two fuse options and sshfs
+    # unescapes backslashes; `Key Value` is an unknown option to sshfs; a
+    # blank is dropped.
+    assert argv[3:13] == [
         "-o", "Ciphers=aes128-ctr\\,aes256-ctr",
         "-o", "StrictHostKeyChecking=no",
         "-o", "Compression=yes",
-        "-o", "IdentityFile=/keys/a\\,b",
+        "-o", "ProxyCommand=ssh -o Port=2 -W %h:%p jump",
+        "-o", "IdentityFile=/keys/a\\,b\\\\c",
     ]  # fmt: skip
+    # ssh splits a value on whitespace unless it is quoted.
+    argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", SshSpec(identity_file="/keys/my key"))
+    assert argv[3:5] == ["-o", 'IdentityFile="/keys/my key"']
 
 
 # -- nothing declared, and data_path alone -------------------------------------------
@@ -334,6 +345,20 @@ def test_a_source_is_mounted_read_only_and_a_write_through_it_fails_with_erofs(
         assert caught.value.errno == errno.EROFS
     assert (remote_tree / "README").read_text() == "dataset root for fdl-prepare tests\n"
     assert not (remote_tree / "new-file").exists()
+
+
+@pytest.mark.sshfs
+def test_an_identity_file_with_a_comma_and_a_backslash_in_its_path_reaches_ssh_intact(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
+) -> None:
+    key = tmp_path / "keys, odd\\ones" / "id"
+    key.parent.mkdir()
+    shutil.copy(sshd.user_key, key)
+    key.chmod(0o600)
+    point = sshfs_mounts.point()
+    spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), identity=key)
+    assert data.ensure_root(spec, []) == str(point)
+    assert _only_mount(point).fstype == "fuse.sshfs"
 
 
 @pytest.mark.sshfs
@@ -706,6 +731,7 @@ def test_a_lock_held_past_the_wait_is_transient(
 ) -> None:
     monkeypatch.setattr(data, "MOUNT_TIMEOUT_S", 0.0)
     monkeypatch.setattr(data, "LOCK_GRACE_S", 0.3)
+    monkeypatch.setattr(data, "_CHILD_GRACE_S", 0.0)
     point = tmp_path / "locked"
     fd = os.open(data.lock_path(str(point)), os.O_RDONLY | os.O_CREAT, 0o644)
     try:
