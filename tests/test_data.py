@@ -394,6 +394,22 @@ def test_a_second_prepare_reuses_the_mount_of_the_same_source_with_a_note(
 
 
 @pytest.mark.sshfs
+def test_a_symlinked_mountpoint_is_mounted_through_and_shipped_as_declared(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
+) -> None:
+    real = sshfs_mounts.point("real")
+    link = tmp_path / "declared"
+    link.symlink_to(real)
+    spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(link))
+    assert data.ensure_root(spec, []) == str(link)
+    assert _only_mount(real).fstype == "fuse.sshfs"
+    notes: list[str] = []
+    assert data.ensure_root(spec, notes) == str(link)
+    assert "reusing it" in notes[0]
+    assert sshfs_mounts.count_at(real) == 1
+
+
+@pytest.mark.sshfs
 def test_a_mount_of_a_different_source_is_left_alone_with_the_fusermount_note(
     sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
 ) -> None:
