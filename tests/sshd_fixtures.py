@@ -27,7 +27,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -426,5 +426,22 @@ def forget_mount_locks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         for path in set(made):
             try:
                 os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+@pytest.fixture
+def forget_mount_lock_of() -> Iterator[Callable[[Path], None]]:
+    """The same clean-up for runs in a child process, where the lock path
+    cannot be recorded: the test names the mountpoint it handed over."""
+    from prepare import data
+
+    mountpoints: list[Path] = []
+    try:
+        yield mountpoints.append
+    finally:
+        for mountpoint in mountpoints:
+            try:
+                os.unlink(data.lock_path(str(mountpoint)))
             except FileNotFoundError:
                 pass

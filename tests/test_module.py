@@ -466,10 +466,11 @@ def test_the_generated_execstart_exits_78_on_a_permanent_failure_which_stops_the
     assert done.returncode in unit.prevent_exit_statuses
 
 
-def test_the_generated_execstart_exits_75_on_a_transient_failure_which_is_retried(evaluate_module, tmp_path):
+def test_the_generated_execstart_exits_75_on_a_transient_failure_which_is_retried(evaluate_module, tmp_path, forget_mount_lock_of):
     if shutil.which("sshfs") is None:
         pytest.skip("sshfs is not installed (apt install sshfs)")
     mountpoint = tmp_path / "mnt"
+    forget_mount_lock_of(mountpoint)
     key = tmp_path / "id_ed25519"
     key.write_text("")
     # Port 1 on loopback: nothing listens, the connection is refused at once,

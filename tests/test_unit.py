@@ -20,7 +20,7 @@ from module_fixtures import REPO, console_script
 from prepare.cli import EXIT_PERMANENT, EXIT_TRANSIENT
 
 UNIT = REPO / "systemd" / "fdl-prepare.service"
-DOCS = REPO / "docs" / "systemd.md"
+DOCS = REPO / "README.md"
 
 # Keys systemd learnt in 254; older releases warn and ignore them.
 NEWER_KEYS = {254: ("RestartSteps", "RestartMaxDelaySec")}
@@ -187,10 +187,11 @@ def test_a_permanent_failure_exits_78_and_stops_the_restart_loop(unit, tmp_path)
     assert done.returncode in prevented(unit)
 
 
-def test_a_transient_failure_exits_75_and_the_restart_loop_retries_it(unit, tmp_path):
+def test_a_transient_failure_exits_75_and_the_restart_loop_retries_it(unit, tmp_path, forget_mount_lock_of):
     if shutil.which("sshfs") is None:
         pytest.skip("sshfs is not installed (apt install sshfs)")
     mountpoint = tmp_path / "mnt"
+    forget_mount_lock_of(mountpoint)
     # Nothing listens on loopback port 1: refused at once, as when the data
     # host is down.
     done = run_like_the_unit(
