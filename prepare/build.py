@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from prepare import human
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import variants as variants_mod
@@ -389,13 +390,6 @@ def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:
     )
 
 
-def _human(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"
 
 
 def _note_build(log: nix_mod.Log, results: list[dict[str, Any]], label: str, libtorch_path: str,
@@ -430,7 +424,7 @@ def _note_build(log: nix_mod.Log, results: list[dict[str, Any]], label: str, lib
         notes.append(f"built: {', '.join(made + other)} ({seconds:.1f}s of builds)")
     if fetched or log.transfers():
         notes.append(
-            f"downloaded: {_human(log.bytes_downloaded)} in {len(log.transfers())} transfer(s)"
+            f"downloaded: {human.size(log.bytes_downloaded)} in {len(log.transfers())} transfer(s)"
             + (f" ({', '.join(fetched)} from a binary cache)" if fetched else "")
         )
     elif not made and not other:

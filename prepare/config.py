@@ -34,6 +34,7 @@ from datetime import date, datetime, time
 from pathlib import Path
 from typing import Any
 
+from prepare import human
 from prepare.fail import permanent
 from prepare.spec import DataSpec, PrepareSpec, SourceSpec, SshSpec
 
@@ -122,7 +123,7 @@ def load(path: Path | str) -> dict[str, Any]:
     except IsADirectoryError:
         raise permanent(f"config {path} is a directory; name the TOML file itself") from None
     except OSError as exc:
-        raise permanent(f"config {path} cannot be read: {_errtext(exc)}; {_read_fix(path, exc)}") from None
+        raise permanent(f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -629,8 +630,3 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     return value
 
-
-def _errtext(exc: OSError) -> str:
-    if exc.errno is None:
-        return str(exc)
-    return f"{os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)})"

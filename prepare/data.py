@@ -34,7 +34,6 @@ import fcntl
 import hashlib
 import os
 import posixpath
-import pwd
 import re
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from prepare import mounts, proc
+from prepare import human, mounts, proc
 from prepare.fail import Fail, permanent, transient
 from prepare.spec import PrepareSpec, SshSpec
 
@@ -350,11 +349,6 @@ def _same_source(mount: mounts.Mount, source: Source) -> bool:
     return bool(sep) and f"{head}:{posixpath.normpath(path)}" == source.remote
 
 
-def _user() -> str:
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return "$USER"
 
 
 def _ensure_mountpoint(mountpoint: str) -> None:
@@ -368,7 +362,7 @@ def _ensure_mountpoint(mountpoint: str) -> None:
     try:
         os.makedirs(mountpoint, exist_ok=True)
     except OSError as err:
-        user = _user()
+        user = human.user()
         raise permanent(
             f"the mountpoint {mountpoint} for data_source does not exist and cannot be created: "
             f"{err.strerror or err}. Create it once during provisioning "

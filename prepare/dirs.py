@@ -28,6 +28,7 @@ import stat
 import threading
 from dataclasses import dataclass
 
+from prepare import human, mounts
 from prepare.fail import Fail, permanent
 
 # Below this the cache or stage is likely to fill during a run: worth a note,
@@ -131,7 +132,7 @@ def _stage() -> tuple[str, str]:
         else:
             fix = f"create it (mkdir -p {path}) or point {_var(origin, 'TMPDIR')} at an existing directory"
         raise permanent(
-            f"stage directory {path} (from {origin}) cannot be used: {_errtext(exc)}; {fix}"
+            f"stage directory {path} (from {origin}) cannot be used: {human.oserror(exc)}; {fix}"
         ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise permanent(
@@ -186,7 +187,7 @@ def _probe(directory: str, what: str, origin: str) -> None:
             if failure is None:
                 failure = permanent(
                     f"{what} (from {origin}): the probe {path} was written but cannot be "
-                    f"removed: {_errtext(exc)}; remove it by hand (rm -f {path}) and check "
+                    f"removed: {human.oserror(exc)}; remove it by hand (rm -f {path}) and check "
                     f"the directory's permissions and mount options"
                 )
     if failure is not None:
@@ -199,7 +200,7 @@ def _unusable(path: str, what: str, origin: str, exc: OSError, *, creating: bool
     code = exc.errno
     anchor = _nearest_existing(path)
     mount = _mount_of(anchor)
-    mountpoint = mount[0] if mount else anchor
+    mountpoint = mount.mount_point if mount else anchor
     if code == errno.EROFS:
         fix = (
             f"the filesystem mounted at {mountpoint} is read-only: "
@@ -207,14 +208,14 @@ def _unusable(path: str, what: str, origin: str, exc: OSError, *, creating: bool
         )
     elif code in (errno.ENOSPC, errno.EDQUOT):
         free = _free_bytes(anchor)
-        room = f" ({_size(free)} free)" if free is not None else ""
+        room = f" ({human.size(free)} free)" if free is not None else ""
         fix = (
             f"the filesystem mounted at {mountpoint}{room} is full or over quota: free space there "
             f"(du -xsh {mountpoint}/* | sort -h shows what fills it), or point {var} at a "
             f"filesystem with room"
         )
     elif code in (errno.EACCES, errno.EPERM):
-        user = _user()
+        user = human.user()
         if creating:
             fix = (
                 f"{user} may not create it in {anchor}: "
@@ -235,7 +236,7 @@ def _unusable(path: str, what: str, origin: str, exc: OSError, *, creating: bool
         )
     else:
         fix = f"check {path} and the filesystem under it, or point {var} at another directory"
-    return permanent(f"{what} (from {origin}) {verb}: {_errtext(exc)}; {fix}")
+    return permanent(f"{what} (from {origin}) {verb}: {human.oserror(exc)}; {fix}")
 
 
 def _nearest_existing(path: str) -> str:
@@ -266,16 +267,16 @@ def _file_in_the_way(path: str) -> str:
 def _observe(path: str, label: str, contents: str, origin: str, notes: list[str]) -> None:
     mount = _mount_of(path)
     var = _var(origin, "TMPDIR")
-    if mount is not None and mount[1] in RAM_FILESYSTEMS:
+    if mount is not None and mount.fstype in RAM_FILESYSTEMS:
         notes.append(
-            f"{label} {path} is on {mount[1]} (mounted at {mount[0]}): {contents} spend RAM "
+            f"{label} {path} is on {mount.fstype} (mounted at {mount.mount_point}): {contents} spend RAM "
             f"the run may need and vanish at reboot; point {var} at a disk-backed directory"
         )
     free = _free_bytes(path)
     if free is not None and free < LOW_SPACE_BYTES:
-        where = f"the filesystem mounted at {mount[0]}" if mount else "its filesystem"
+        where = f"the filesystem mounted at {mount.mount_point}" if mount else "its filesystem"
         notes.append(
-            f"{label} {path} has {_size(free)} free on {where} (under 1 GiB): {contents} may "
+            f"{label} {path} has {human.size(free)} free on {where} (under 1 GiB): {contents} may "
             f"fill it mid-run; free space there or point {var} at a larger filesystem"
         )
 
@@ -288,61 +289,16 @@ def _free_bytes(path: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def _mount_of(path: str) -> tuple[str, str] | None:
-    """(mountpoint, filesystem type) of the mount holding `path`: the longest
-    mountpoint that is a prefix of its resolved path; among mounts stacked on
-    one point, the last listed is the one on top."""
+def _mount_of(path: str) -> mounts.Mount | None:
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as fh:
-            lines = fh.read().splitlines()
+        return mounts.containing(path)
     except OSError:
-        return None
-    target = os.path.realpath(path)
-    best: tuple[str, str] | None = None
-    for line in lines:
-        fields = line.split(" ")
-        try:
-            sep = fields.index("-", 6)
-            mountpoint = _unescape(fields[4])
-            fstype = fields[sep + 1]
-        except (ValueError, IndexError):
-            continue
-        if _under(target, mountpoint) and (best is None or len(mountpoint) >= len(best[0])):
-            best = (mountpoint, fstype)
-    return best
-
-
-def _under(path: str, mountpoint: str) -> bool:
-    if mountpoint == "/":
-        return True
-    return path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")
-
-
-def _unescape(field: str) -> str:
-    # mountinfo writes space, tab, newline and backslash as octal escapes.
-    if "\\" not in field:
-        return field
-    out = []
-    i = 0
-    while i < len(field):
-        chunk = field[i : i + 4]
-        if len(chunk) == 4 and chunk[0] == "\\" and chunk[1:].isdigit():
-            out.append(chr(int(chunk[1:], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+        return None  # no /proc: the notes that need the mount are skipped
 
 
 # -- wording -----------------------------------------------------------------
 
 
-def _errtext(exc: OSError) -> str:
-    if exc.errno is None:
-        return str(exc)
-    name = errno.errorcode.get(exc.errno, str(exc.errno))
-    return f"{os.strerror(exc.errno)} ({name})"
 
 
 def _var(origin: str, fallback: str) -> str:
@@ -350,18 +306,4 @@ def _var(origin: str, fallback: str) -> str:
     return head if head in ("HOME", *STAGE_ENV) else fallback
 
 
-def _user() -> str:
-    uid = os.geteuid()
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"

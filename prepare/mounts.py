@@ -128,3 +128,19 @@ def mounted_at(path: str, table: list[Mount] | None = None) -> Mount | None:
     if os.path.islink(via_parent):
         return _last_at(table, os.path.realpath(via_parent))
     return None
+
+
+def containing(path: str, table: list[Mount] | None = None) -> Mount | None:
+    """The mount that holds `path` (which must exist): the longest mountpoint
+    that is a prefix of its resolved path; of mounts stacked on one point,
+    the last listed, which is the one on top."""
+    if table is None:
+        table = read()
+    target = os.path.realpath(path)
+    best: Mount | None = None
+    for mount in table:
+        point = mount.mount_point
+        inside = point == "/" or target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best.mount_point)):
+            best = mount
+    return best

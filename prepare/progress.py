@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from prepare import human
+
 Event = dict[str, Any]
 
 # Small files a binary cache serves for every path it is asked about: a line
@@ -34,13 +36,6 @@ Event = dict[str, Any]
 _QUIET_SUFFIXES = (".narinfo", "nix-cache-info")
 
 
-def size(n: int | float) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _is_tty(stream: TextIO) -> bool:
@@ -94,7 +89,7 @@ class PlainRenderer:
         elif kind == "download-done":
             if not str(name).endswith(_QUIET_SUFFIXES):
                 got = event.get("bytes") or 0
-                amount = f"{size(got)}, " if got else ""
+                amount = f"{human.size(got)}, " if got else ""
                 self._line(f"downloaded {name} ({amount}{event.get('seconds', 0):.1f}s)")
         elif kind == "substitute-start":
             self._line(f"fetching {name} from a binary cache")
@@ -198,6 +193,6 @@ class LiveRenderer:
                 detail = row["phase"] or ""
             else:
                 state = "[cyan]download[/cyan]" if row["state"] == "running" else "[green]downloaded[/green]"
-                detail = size(row["done"]) + (f" / {size(row['expected'])}" if row["expected"] else "")
+                detail = human.size(row["done"]) + (f" / {human.size(row['expected'])}" if row["expected"] else "")
             table.add_row(state, str(row["name"]), f"{detail}  {seconds:.1f}s".strip())
         return table

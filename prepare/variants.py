@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prepare.fail import Fail, permanent
+from prepare.fail import permanent
 
 CPU = "cpu"
 AUTO = "auto"

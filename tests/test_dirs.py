@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from prepare import dirs
+from prepare import dirs, mounts
 from prepare.fail import Fail
 
 # Uid and gid with no password-database entry on any sane test machine.
@@ -136,8 +136,8 @@ def test_checking_twice_is_idempotent(box):
 
 
 def test_a_disk_backed_home_and_stage_get_no_ram_note(box):
-    mount = dirs._mount_of(str(box.stage))
-    if mount is None or mount[1] in dirs.RAM_FILESYSTEMS:
+    mount = mounts.containing(str(box.stage))
+    if mount is None or mount.fstype in dirs.RAM_FILESYSTEMS:
         pytest.skip(f"pytest's temp dir is not disk-backed here ({mount})")
     notes: list[str] = []
     dirs.check(notes)
@@ -370,7 +370,8 @@ def test_the_filesystem_type_is_found_under_a_mountpoint_with_a_space(tmpfs):
     point = tmpfs(name="with space")
     nested = point / "a" / "b"
     nested.mkdir(parents=True)
-    assert dirs._mount_of(str(nested)) == (str(point), "tmpfs")
+    mount = mounts.containing(str(nested))
+    assert (mount.mount_point, mount.fstype) == (str(point), "tmpfs")
 
 
 # -- concurrency -------------------------------------------------------------

@@ -58,11 +58,6 @@ def test_an_interrupted_build_is_not_reported_as_built():
     assert out.getvalue() == "fdl-prepare: build stopped: train (3.0s)\n"
 
 
-@pytest.mark.parametrize(("n", "text"), [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (5 << 30, "5.0 GiB")])
-def test_sizes_read_in_binary_units(n, text):
-    assert progress.size(n) == text
-
-
 def test_on_a_terminal_the_display_is_live_and_shows_builds_and_bytes():
     pytest.importorskip("rich")
     master, slave = pty.openpty()
