@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import human
+from prepare import dirs, human
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import variants as variants_mod
@@ -88,18 +88,12 @@ def default_state_dir(env: dict[str, str] | None = None, uid: int | None = None)
 
 def _ensure_state_dir(spec: PrepareSpec) -> str:
     state = os.path.abspath(spec.state_dir or default_state_dir())
-    try:
-        os.makedirs(os.path.join(state, "gcroots"), exist_ok=True)
-        probe = os.path.join(state, f".probe-{os.getpid()}")
-        with open(probe, "w", encoding="utf-8") as handle:
-            handle.write("probe\n")
-        os.unlink(probe)
-    except OSError as err:
-        raise permanent(
-            f"the state directory {state!r} (state_dir, --state-dir) cannot be created or written: {err.strerror}. "
-            f"It holds the GC roots of built outputs. Fix: `sudo mkdir -p {state} && sudo chown $(id -u) {state}`, "
-            "or set state_dir (--state-dir) to a writable directory"
-        ) from None
+    origin = "state_dir, --state-dir" if spec.state_dir else "the default for this user"
+    # The same proof as the node-local directories: it holds the GC roots
+    # of built outputs, so it must take a write before a build is spent.
+    dirs.prove_writable(
+        os.path.join(state, "gcroots"), "the state directory's gcroots", origin, var="state_dir (--state-dir)"
+    )
     return state
 
 

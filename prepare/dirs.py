@@ -145,14 +145,22 @@ def _stage() -> tuple[str, str]:
 # -- proving writability -----------------------------------------------------
 
 
-def _create(path: str, what: str, origin: str) -> None:
+def prove_writable(path: str, what: str, origin: str, *, var: str) -> None:
+    """Create `path` if needed and prove it writable, for directories of
+    other steps (the build's state directory); `var` is the setting that
+    moves it, named in the fix."""
+    _create(path, what, origin, var=var)
+    _probe(path, what, origin, var=var)
+
+
+def _create(path: str, what: str, origin: str, *, var: str | None = None) -> None:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise _unusable(path, what, origin, exc, creating=True) from None
+        raise _unusable(path, what, origin, exc, creating=True, var=var) from None
 
 
-def _probe(directory: str, what: str, origin: str) -> None:
+def _probe(directory: str, what: str, origin: str, *, var: str | None = None) -> None:
     """Write, fsync and remove a probe. The name carries pid and thread id so
     concurrent prepares (a persist loop racing a manual run, or threads of
     one join loop) never touch each other's probe, and a random tail with
@@ -163,7 +171,7 @@ def _probe(directory: str, what: str, origin: str) -> None:
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
-        raise _unusable(directory, what, origin, exc) from None
+        raise _unusable(directory, what, origin, exc, var=var) from None
     failure: Fail | None = None
     try:
         try:
@@ -175,7 +183,7 @@ def _probe(directory: str, what: str, origin: str) -> None:
         finally:
             os.close(fd)
     except OSError as exc:
-        failure = _unusable(directory, what, origin, exc)
+        failure = _unusable(directory, what, origin, exc, var=var)
     finally:
         # The file was created, so it is removed whatever happened to the write:
         # a half-written probe on a full disk is exactly the one to clean up.
@@ -194,9 +202,11 @@ def _probe(directory: str, what: str, origin: str) -> None:
         raise failure
 
 
-def _unusable(path: str, what: str, origin: str, exc: OSError, *, creating: bool = False) -> Fail:
+def _unusable(
+    path: str, what: str, origin: str, exc: OSError, *, creating: bool = False, var: str | None = None
+) -> Fail:
     verb = "cannot be created" if creating else "is not writable"
-    var = _var(origin, "TMPDIR")
+    var = var or _var(origin, "TMPDIR")
     code = exc.errno
     anchor = _nearest_existing(path)
     mount = _mount_of(anchor)
