@@ -16,7 +16,7 @@ The order inside is as load-bearing as the pipeline's:
 4. The manifest is read from the fetched tree and merged over the box's
    recipe; the result goes to the flake as `recipe.json` in a directory under
    the state directory (`--override-input recipe path:<dir>`), which is how it
-   reaches the build without `--impure`.
+   reaches the build with evaluation kept pure.
 5. One `nix build` of libtorch, the training binary and the source tree, with
    out-links under `<state>/gcroots/`: they are GC roots, so a garbage
    collection never deletes what a prepared run is about to use. Nix writes

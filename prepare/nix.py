@@ -10,7 +10,7 @@ Every call goes through `Nix`, which holds the flags every call shares:
 - `flake-registry` pointed at an empty registry file under the state
   directory: otherwise the first flake command downloads the global registry
   from GitHub, and a box without internet waits on it.
-- `accept-flake-config = false`, and never `--impure`: a flake must not change
+- `accept-flake-config = false`, and never impure evaluation: a flake must not change
   substituters or read the environment behind the operator's back.
 - `--no-write-lock-file`: the flake may live in a read-only store path, and a
   prepare must not edit the operator's checkout.

@@ -14,6 +14,7 @@ either is missing the test is skipped with the reason.
 from __future__ import annotations
 
 import errno
+import contextlib
 import os
 import subprocess
 from collections.abc import Callable
@@ -34,10 +35,8 @@ def _unmount(path: Path) -> None:
         # Something still holds it (a leaked fd in a failing test): detach it
         # so the next test and pytest's temp cleanup are not blocked.
         _run(["umount", "-l", str(path)])
-    try:
+    with contextlib.suppress(OSError):
         path.rmdir()
-    except OSError:
-        pass
 
 
 def _fill(path: Path) -> None:

@@ -21,6 +21,7 @@ that ask for these fixtures are skipped with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -91,10 +92,8 @@ def _children(pid: int) -> list[int]:
 
 def _signal(pids: list[int], sig: int) -> None:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 @dataclass
@@ -424,10 +423,7 @@ def forget_mount_locks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         yield made
     finally:
         for path in set(made):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+            Path(path).unlink(missing_ok=True)
 
 
 @pytest.fixture
@@ -441,7 +437,4 @@ def forget_mount_lock_of() -> Iterator[Callable[[Path], None]]:
         yield mountpoints.append
     finally:
         for mountpoint in mountpoints:
-            try:
-                os.unlink(data.lock_path(str(mountpoint)))
-            except FileNotFoundError:
-                pass
+            Path(data.lock_path(str(mountpoint))).unlink(missing_ok=True)
