@@ -765,10 +765,7 @@ def test_a_lock_file_root_created_can_be_taken_by_another_user(tmp_path: Path) -
     if shutil.which("setpriv") is None or shutil.which("flock") is None:
         pytest.skip("setpriv and flock (util-linux) are not installed")
     path = data.lock_path(str(tmp_path / "shared"))
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    Path(path).unlink(missing_ok=True)
     # Root creates it, as a root prepare would; nobody then takes it.
     os.close(data._open_lock(path))
     try:
