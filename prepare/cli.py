@@ -66,17 +66,13 @@ def _version(value: bool) -> None:
 def _parse_devices(value: Optional[str]) -> Optional[list[int]]:
     if value is None:
         return None
-    if value.strip() == "":
-        return []
-    out: list[int] = []
-    for part in value.split(","):
-        part = part.strip()
-        if not part.isdigit():
-            raise typer.BadParameter(
-                f"{part!r} is not a device index; give comma-separated indices such as --devices 0,1"
-            )
-        out.append(int(part))
-    return out
+    from prepare import config
+
+    try:
+        return config.parse_devices(value)
+    except Fail as fail:
+        # A malformed flag is a usage error (exit 2), not a broken box.
+        raise typer.BadParameter(fail.message) from None
 
 
 def _flags(**given: Any) -> dict[str, Any]:

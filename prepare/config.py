@@ -249,7 +249,7 @@ def resolve(
         if value is not None:
             return value, f"join.{key} in the config"
         if env_name is not None:
-            value = _env_value(env, env_name)
+            value = env_value(env, env_name)
             if value:
                 return value, f"${env_name}"
         return default, None
@@ -296,7 +296,8 @@ def resolve(
     )
 
 
-def _env_value(env: Mapping[str, str], name: str) -> str | None:
+def env_value(env: Mapping[str, str], name: str) -> str | None:
+    """A default from the environment, None when unset or empty."""
     value = env.get(name)
     if not value:
         return None
@@ -332,7 +333,8 @@ def parse_devices(text: str, *, field: str = "--devices") -> list[int]:
     """`0,1` -> [0, 1], for a flag or an environment variable. Bad input is a
     permanent Fail naming `field`."""
     parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p.isdigit() for p in parts):
+    # isascii: str.isdigit() also admits digits such as '²' that int() refuses.
+    if not text.strip() or any(not (p.isascii() and p.isdigit()) for p in parts):
         raise permanent(
             f"{field} {_show(text)}: expected comma-separated device indices such as {field} 0,1 "
             f"(omit it to offer every visible device)"
