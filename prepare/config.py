@@ -296,6 +296,65 @@ def resolve(
     )
 
 
+# Where each [join] key lives on a PrepareSpec, for messages about a spec
+# built in code rather than read from a file.
+_SPEC_FIELDS = {
+    "data_path": "data.data_path",
+    "data_source": "data.data_source",
+    "list_timeout": "list_timeout_s",
+    "build_timeout": "build_timeout_s",
+    "source": "source",
+    "source.from": "source.from_",
+    "ssh": "ssh",
+}
+
+
+def check_spec(spec: PrepareSpec) -> None:
+    """The same checks a config file gets, for a PrepareSpec a join loop
+    built itself: a wrong type or range is a permanent Fail naming the spec
+    field, before any step runs, never a traceback from deep inside one."""
+    table: dict[str, Any] = {
+        "data_path": spec.data.data_path,
+        "data_source": spec.data.data_source,
+        "libtorch": spec.libtorch,
+        "devices": list(spec.devices) if isinstance(spec.devices, tuple) else spec.devices,
+        "cpu_only": spec.cpu_only,
+        "flake": spec.flake,
+        "state_dir": spec.state_dir,
+        "list_timeout": spec.list_timeout_s,
+        "build_timeout": spec.build_timeout_s,
+        "ssh": {
+            "target": spec.ssh.target,
+            "port": spec.ssh.port,
+            "user": spec.ssh.user,
+            "identity_file": spec.ssh.identity_file,
+            "options": list(spec.ssh.options) if isinstance(spec.ssh.options, tuple) else spec.ssh.options,
+        },
+    }
+    if spec.source is not None:
+        table["source"] = {
+            "from": spec.source.from_,
+            "cwd": spec.source.cwd,
+            "build": spec.source.build,
+            "bin": spec.source.bin,
+        }
+    given = _drop_none(table)
+    given["ssh"] = {k: v for k, v in table["ssh"].items() if v is not None and v != []}
+
+    def name(dotted: str) -> tuple[str, int | None]:
+        sub, _, key = dotted.rpartition(".")
+        if dotted in _SPEC_FIELDS:
+            return f"PrepareSpec.{_SPEC_FIELDS[dotted]}", None
+        if sub:
+            return f"PrepareSpec.{_SPEC_FIELDS.get(sub, sub)}.{key}", None
+        return f"PrepareSpec.{dotted}", None
+
+    # flags=True: no TOML spelling hints for a value that came from code.
+    problems = _validate(given, name, flags=True)
+    if problems:
+        raise permanent(_problems_message("PrepareSpec", problems))
+
+
 def env_value(env: Mapping[str, str], name: str) -> str | None:
     """A default from the environment, None when unset or empty."""
     value = env.get(name)

@@ -288,6 +288,9 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
     when a Fail is raised."""
     if spec.cpu_only:
         notes.append("GPU gate skipped: cpu_only is set, so only the cpu libtorch variant can be used.")
+        if spec.devices is not None:
+            devices = ",".join(str(i) for i in spec.devices)
+            notes.append(f"devices ({devices}) is ignored with cpu_only: no GPU is offered to the run.")
         return None
 
     gpus = survey()

@@ -37,8 +37,9 @@ def _timed(timings: dict[str, float], step: str) -> Iterator[None]:
 def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = None) -> Prepared:
     """Run the pipeline once. Every step is idempotent, so a retry loop
     around this call is a provisioning loop: call it on every attempt."""
-    from prepare import data, dirs, gate
+    from prepare import config, data, dirs, gate
 
+    config.check_spec(spec)
     timings: dict[str, float] = {}
     with _timed(timings, "gate"):
         gpus = gate.check(spec, notes)

@@ -464,3 +464,9 @@ def test_the_json_survey_is_plain_json_with_labels_for_versions(nvml_box):
     }
     assert second["usable"] is False and second["offered"] is False and "GPU is lost" in second["error"]
     assert any("GPU 1" in n for n in data["notes"])
+
+
+def test_devices_given_with_cpu_only_are_noted_as_ignored():
+    notes: list[str] = []
+    assert gate.check(PrepareSpec(cpu_only=True, devices=(0, 1)), notes) is None
+    assert any("devices (0,1) is ignored with cpu_only" in n for n in notes), notes

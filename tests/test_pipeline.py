@@ -1,0 +1,52 @@
+"""The library entry point as a join loop calls it: a spec built in code is
+checked like a config file before any step runs, and the steps run in their
+load-bearing order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from prepare import DataSpec, Fail, PrepareSpec, SourceSpec, SshSpec, prepare
+
+
+@pytest.fixture
+def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "home").mkdir()
+    (tmp_path / "stage").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "stage"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (PrepareSpec(cpu_only=True, list_timeout_s=-1), "PrepareSpec.list_timeout_s"),
+        (PrepareSpec(cpu_only=True, build_timeout_s=0), "PrepareSpec.build_timeout_s"),
+        (PrepareSpec(cpu_only=True, data=DataSpec(data_path=5)), "PrepareSpec.data.data_path"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, data=DataSpec(data_source=["x"])), "PrepareSpec.data.data_source"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only="yes"), "PrepareSpec.cpu_only"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, devices=(0, -1)), "PrepareSpec.devices"),
+        (PrepareSpec(cpu_only=True, ssh=SshSpec(port=70000)), "PrepareSpec.ssh.port"),
+        (PrepareSpec(cpu_only=True, ssh=SshSpec(options=("",))), "PrepareSpec.ssh.options"),
+        (PrepareSpec(cpu_only=True, source=SourceSpec(from_=3)), "PrepareSpec.source.from_"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_malformed_spec_from_code_is_permanent_and_names_the_spec_field(box: Path, spec: PrepareSpec, field: str) -> None:
+    notes: list[str] = []
+    with pytest.raises(Fail) as caught:
+        prepare(spec, notes)
+    assert caught.value.permanent
+    assert field in caught.value.message
+    assert notes == []  # refused before any step ran
+
+
+def test_a_well_formed_cpu_only_spec_runs_the_cheap_steps_in_order(box: Path) -> None:
+    notes: list[str] = []
+    done = prepare(PrepareSpec(cpu_only=True, data=DataSpec(data_path=str(box))), notes)
+    assert done.data_path == str(box)
+    assert list(done.timings) == ["gate", "data", "dirs"]
+    assert done.devices is None
+    assert (box / "home" / ".flodl" / "data").is_dir()
