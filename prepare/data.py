@@ -6,8 +6,9 @@ Three shapes, and the empty one is the common case:
   its own default, which is what a run that never mentions data expects);
 - `data_path` alone: a root provisioning already placed. Verified to be a
   listable directory and shipped absolute, lexically: the path is handed to
-  this host's ranks, a relative one would resolve against each reader's cwd,
-  and resolving symlinks would silently replace what the operator declared;
+  this host's ranks, and resolving symlinks would silently replace what the
+  operator declared. A relative one is refused rather than resolved: it
+  would mean the cwd of whoever started us, which under systemd is `/`;
 - `data_source = "sshfs://[user@]host[:port]/abs/path"`: mounted read-only at
   `data_path` (default `/flodl/data`) unless something is mounted there
   already, which is reused (and named, when it is not the configured source).
@@ -163,6 +164,18 @@ def parse_source(value: str) -> Source:
         user, authority = authority.rsplit("@", 1)
         if not user:
             raise _bad(value, "has an empty user before `@`")
+        if ":" in user:
+            # `user:password@`: the password is not quoted back, since this
+            # message lands in journals; BatchMode could not type it anyway.
+            name = user.split(":", 1)[0]
+            shown = f"{scheme}://{name}:***@{authority}{path}"
+            raise permanent(
+                f"data_source {shown!r} carries a password in its user part (`{name}:...@`); "
+                f"fdl-prepare does not send passwords (no prompt can be answered under systemd). "
+                f"Authenticate with a key instead: drop `:password` from `data_source` (flag "
+                f"--data-source) and set `ssh.identity_file` (flag --identity-file) to a private "
+                f"key the data host accepts."
+            )
 
     port_text: str | None = None
     if authority.startswith("["):
@@ -188,14 +201,16 @@ def parse_source(value: str) -> Source:
 
     port: int | None = None
     if port_text:
-        if not port_text.isdigit():
+        # ASCII only: str.isdigit() is true for '²', which int() refuses,
+        # and for '٢٢', which int() reads as 22.
+        if not (port_text.isascii() and port_text.isdigit()):
             if not path:
                 raise _bad(
                     value,
                     f"names no absolute path (scp's relative `host:{port_text}` is not accepted: "
                     f"the root must not depend on the remote user's home)",
                 )
-            raise _bad(value, f"has a port {port_text!r} that is not a number")
+            raise _bad(value, f"has a port {port_text!r} that is not a number (ASCII digits 0-9)")
         port = int(port_text)
         if not 1 <= port <= 65535:
             raise _bad(value, f"has a port {port} outside 1-65535")
@@ -296,8 +311,18 @@ def _absolute(path: str, field: str) -> str:
         raise permanent(f"`{field}` is empty; give an absolute directory such as {DEFAULT_DATA_PATH}.")
     if "\0" in path:
         raise permanent(f"`{field}` {path!r} contains a NUL byte; no path can.")
+    expanded = os.path.expanduser(path)
+    if not os.path.isabs(expanded):
+        # Resolving it would use our cwd, which is nobody's choice: `/` under
+        # systemd, wherever a shell happened to be otherwise.
+        shown = f" (expands to {expanded!r})" if expanded != path else ""
+        raise permanent(
+            f"`{field}` {path!r}{shown} is a relative path; it would resolve against the current "
+            f"directory ({os.getcwd()}; `/` under systemd). Give an absolute directory such as "
+            f"{DEFAULT_DATA_PATH} (flag --data-path)."
+        )
     # Lexical on purpose: abspath never consults symlinks.
-    return os.path.abspath(os.path.expanduser(path))
+    return os.path.abspath(expanded)
 
 
 def _establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[str]) -> None:
@@ -365,15 +390,73 @@ def _ensure_mountpoint(mountpoint: str) -> None:
         user = human.user()
         raise permanent(
             f"the mountpoint {mountpoint} for data_source does not exist and cannot be created: "
-            f"{err.strerror or err}. Create it once during provisioning "
+            f"{human.oserror(err)}. Create it once during provisioning "
             f"(`sudo mkdir -p {mountpoint} && sudo chown {user} {mountpoint}`), or set `data_path` "
             f"to a directory this user owns."
         ) from None
 
 
+def _check_identity(ssh: SshSpec | None) -> None:
+    """ssh skips an IdentityFile it cannot load and carries on with the
+    keys it has left, so a mistyped key path only ever surfaces as the far
+    side refusing us: a transient failure, retried forever. Open it here,
+    where its absence is still the config's fault and says so."""
+    if ssh is None or not ssh.identity_file:
+        return
+    key = ssh.identity_file
+    # ssh expands `%d`, `%u`, `${VAR}` itself; only it knows what those name.
+    if "%" in key or "${" in key:
+        return
+    path = os.path.expanduser(key)
+    fix = (
+        "set `ssh.identity_file` (flag --identity-file) to the private key the data host accepts, "
+        "readable by this user"
+    )
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as err:
+        raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
+    try:
+        os.read(fd, 1)
+    except OSError as err:
+        raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
+    finally:
+        os.close(fd)
+
+
+# What ssh prints when the options it was started with do not parse. It
+# exits on them before it connects, so they name this box's configuration,
+# never the far side. sshfs's own parser (which also vets the ssh options it
+# passes on) answers in fuse's words. Matched per line, from its start.
+_OPTION_ERROR = re.compile(
+    r"^(?:fuse: unknown option"
+    r"|fuse: invalid parameter in option"
+    r"|command-line:? line \d+: "  # an -o value: a bad port, key, cipher, yes/no ...
+    r"|\S.*: terminating, \d+ bad configuration options?$)"  # how every ssh_config file error ends
+)
+# The lines a config file's error is made of, quoted along with its end.
+_FILE_LINE = re.compile(r"^\S.*:? line \d+: ")
+# The one error-level message ssh prints about an option and then carries
+# on past (a removed option such as RSAAuthentication): a refused connection
+# after it is still the network's. The fatal bad-value message is lowercase
+# (`unsupported option "maybe".`).
+_OPTION_WARNING = re.compile(r'^\S.* line \d+: Unsupported option "')
+
+
+def _option_errors(stderr: str) -> list[str]:
+    """ssh's (or sshfs's) own lines saying it could not use its options, or
+    [] when it did not say so."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    lines = [line for line in dict.fromkeys(lines) if not _OPTION_WARNING.match(line)]
+    if not any(_OPTION_ERROR.match(line) for line in lines):
+        return []
+    return [line for line in lines if _OPTION_ERROR.match(line) or _FILE_LINE.match(line)]
+
+
 def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
     if proc.which("sshfs") is None:
         raise _no_sshfs(source)
+    _check_identity(ssh)
     _ensure_mountpoint(mountpoint)
     argv = sshfs_argv(source, mountpoint, ssh)
     where = f"mounting data_source `{source.url}` at {mountpoint}"
@@ -416,6 +499,17 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
                 said = again.stderr
         else:
             said = f"no answer after {took:.0f}s; {said}"
+        refused = _option_errors(f"{done.stderr}\n{said}")
+        if refused:
+            # Transient would restart the unit into the same refusal forever.
+            in_file = any(not line.startswith(("fuse: ", "command-line")) for line in refused)
+            raise permanent(
+                f"{where}: ssh cannot use the options it was given (sshfs said: {' / '.join(refused)}). "
+                f"That is this box's configuration, not the far side: fix `ssh.options` (flag "
+                f"--ssh-option: ssh_config options as Key=Value, or sshfs's own)"
+                f"{' or the ssh_config file named there' if in_file else ''}. "
+                f"Try it by hand: `{_shell(verbose)}`"
+            )
         raise transient(
             f"{where} failed: sshfs exited {done.returncode}{_quoted(said)}. "
             f"Try it by hand: `{_shell(verbose)}`"
@@ -655,7 +749,7 @@ def _mount_lock(mountpoint: str, list_timeout_s: float) -> Iterator[None]:
         fd = _open_lock(path)
     except OSError as err:
         raise permanent(
-            f"cannot open the mount lock {path} for data_path {mountpoint}: {err.strerror or err}; "
+            f"cannot open the mount lock {path} for data_path {mountpoint}: {human.oserror(err)}; "
             f"make {os.path.dirname(path)} writable for this user."
         ) from None
     try:

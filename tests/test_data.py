@@ -66,6 +66,9 @@ BROKEN_SOURCES = [
     ("sshfs://exa:-1/data", "a negative port"),
     ("sshfs://exa:0/data", "port zero"),
     ("sshfs://exa:65536/data", "a port past 65535"),
+    ("sshfs://exa:\u00b2/data", "a superscript-two port (isdigit, but int() refuses it)"),
+    ("sshfs://exa:\u0662\u0662/data", "an Arabic-Indic port (int() would read it as 22)"),
+    ("sshfs://exa:\uff12\uff12/data", "a fullwidth port (int() would read it as 22)"),
     ("sshfs://:/flodl/data", "an empty host, scp spelling"),
     ("sshfs:///flodl/data", "an empty host"),
     ("sshfs://:2222/flodl/data", "an empty host with a port"),
@@ -113,6 +116,32 @@ def test_a_broken_source_fails_the_step_before_anything_is_touched(tmp_path: Pat
     fail = _fail(_spec(data_path=str(point), data_source="sshfs://exa"))
     assert fail.kind == "permanent"
     assert not point.exists()
+
+
+@pytest.mark.parametrize(
+    "value,secret",
+    [
+        ("sshfs://u:p@h/x", "p"),
+        ("sshfs://flodl:hunter2@exa:2222/flodl/data", "hunter2"),
+        ("sshfs://flodl:@exa/flodl/data", None),
+        ("sshfs://flodl:pa@ss@exa/flodl/data", "pa@ss"),
+    ],
+    ids=["short", "with-a-port", "empty-password", "an-at-in-the-password"],
+)
+def test_a_password_in_the_url_is_refused_permanently_pointing_at_the_identity_file(
+    value: str, secret: str | None
+) -> None:
+    with pytest.raises(Fail) as caught:
+        parse_source(value)
+    fail = caught.value
+    assert fail.kind == "permanent"
+    assert "data_source" in fail.message
+    assert "ssh.identity_file" in fail.message and "--identity-file" in fail.message
+    assert "password" in fail.message
+    # The message goes to logs and journals: the password itself does not.
+    if secret is not None:
+        assert f":{secret}@" not in fail.message
+    assert "flodl:***@" in fail.message or "u:***@" in fail.message
 
 
 GOOD_SOURCES = [
@@ -238,14 +267,45 @@ def test_a_declared_directory_is_shipped_absolute(tmp_path: Path) -> None:
     assert notes == []
 
 
-def test_a_relative_data_path_is_made_absolute_lexically_and_symlinks_are_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_data_path_is_normalized_lexically_and_symlinks_are_kept(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert data.ensure_root(_spec(data_path=str(tmp_path / "link")), []) == str(tmp_path / "link")
+    assert data.ensure_root(_spec(data_path=f"{tmp_path}/./real/../link/"), []) == str(tmp_path / "link")
+
+
+@pytest.mark.parametrize("value", ["relative/dir", "link", "./real/../link/", "data"])
+def test_a_relative_data_path_is_refused_permanently_with_an_absolute_example(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    # Under systemd the cwd is `/`, so "relative/dir" would silently become
+    # /relative/dir; here it would resolve, which is the trap.
+    (tmp_path / "relative" / "dir").mkdir(parents=True)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "data").mkdir()
     monkeypatch.chdir(tmp_path)
-    assert data.ensure_root(_spec(data_path="link"), []) == str(tmp_path / "link")
-    assert data.ensure_root(_spec(data_path="./real/../link/"), []) == str(tmp_path / "link")
+    fail = _fail(_spec(data_path=value))
+    assert fail.kind == "permanent"
+    assert "`data_path`" in fail.message and "--data-path" in fail.message
+    assert repr(value) in fail.message
+    assert "/flodl/data" in fail.message
+    # The same for the mountpoint of a data_source: nothing is created.
+    fail = _fail(_spec(data_path="not-made/here", data_source="sshfs://exa/flodl/data"))
+    assert fail.kind == "permanent" and "`data_path`" in fail.message
+    assert not (tmp_path / "not-made").exists()
+
+
+def test_a_home_relative_data_path_is_expanded_and_refused_when_home_is_relative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "data").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert data.ensure_root(_spec(data_path="~/data"), []) == str(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", ".")
+    fail = _fail(_spec(data_path="~/data"))
+    assert fail.kind == "permanent" and "`data_path`" in fail.message
 
 
 @pytest.mark.parametrize(
@@ -497,6 +557,119 @@ def test_a_refused_key_fails_fast_under_batchmode_transient_with_sshfs_stderr_qu
     assert sshfs_mounts.count_at(point) == 0
 
 
+# What ssh (or sshfs, for its own option parser) says about an option it
+# cannot use, as the operator wrote it: the box's configuration, which no
+# retry changes.
+BAD_SSH_OPTIONS = [
+    ("Bogus=1", ["fuse: unknown option(s)", "Bogus=1"]),
+    ("Port=notnum", ["Bad port 'notnum'"]),
+    ("StrictHostKeyChecking=maybe", ['unsupported option "maybe"']),
+    ("Ciphers=nonesuch", ["command-line line 0:", "nonesuch"]),
+    ("ssh_command=ssh -o Bogus=1", ["Bad configuration option: bogus"]),
+]
+
+
+@pytest.mark.sshfs
+@pytest.mark.parametrize("option,said", BAD_SSH_OPTIONS, ids=[o for o, _ in BAD_SSH_OPTIONS])
+def test_an_ssh_option_ssh_refuses_is_permanent_naming_ssh_options_and_quoting_ssh(
+    sshd, sshfs_mounts, remote_tree: Path, option: str, said: list[str]
+) -> None:
+    point = sshfs_mounts.point()
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), extra=(option,)))
+    assert fail.kind == "permanent", fail.message
+    assert "`ssh.options`" in fail.message and "--ssh-option" in fail.message
+    for words in said:
+        assert words in fail.message, fail.message
+    assert sshfs_mounts.count_at(point) == 0
+
+
+@pytest.mark.sshfs
+def test_a_bad_option_in_an_ssh_config_file_is_permanent_too(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "ssh_config"
+    config.write_text("Bogus yes\n")
+    point = sshfs_mounts.point()
+    spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), extra=(f"ssh_command=ssh -F {config}",))
+    fail = _fail(spec)
+    assert fail.kind == "permanent", fail.message
+    assert f"{config}: line 1: Bad configuration option: bogus" in fail.message
+    assert "--ssh-option" in fail.message
+
+
+@pytest.mark.sshfs
+def test_an_option_ssh_only_warns_about_leaves_a_network_failure_transient(
+    sshd, sshfs_mounts, remote_tree: Path
+) -> None:
+    from sshd_fixtures import free_port
+
+    # OpenSSH prints `command-line line 0: Unsupported option "rsaauthentication"`
+    # for a removed option and carries on: the refused port is the failure.
+    point = sshfs_mounts.point()
+    spec = sshd.spec(
+        data_source=f"sshfs://root@127.0.0.1:{free_port()}{remote_tree}",
+        data_path=str(point),
+        extra=("RSAAuthentication=yes",),
+    )
+    fail = _fail(spec)
+    assert fail.kind == "transient", fail.message
+    assert "Connection refused" in fail.message
+    # And against a server that answers, the warning does not stop the mount.
+    point = sshfs_mounts.point()
+    spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), extra=("RSAAuthentication=yes",))
+    assert data.ensure_root(spec, []) == str(point)
+    assert _only_mount(point).fstype == "fuse.sshfs"
+
+
+@pytest.mark.sshfs
+@pytest.mark.parametrize("shape", ["missing", "a-directory"])
+def test_an_identity_file_that_is_not_a_readable_file_is_permanent_before_anything_is_mounted(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path, shape: str
+) -> None:
+    key = tmp_path / "keys" / "id_ed25519"
+    if shape == "a-directory":
+        key.mkdir(parents=True)
+    point = tmp_path / "never-made"
+    sshfs_mounts.track(point)
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), identity=key))
+    assert fail.kind == "permanent", fail.message
+    assert "`ssh.identity_file`" in fail.message and "--identity-file" in fail.message
+    assert str(key) in fail.message
+    assert ("(ENOENT)" if shape == "missing" else "(EISDIR)") in fail.message
+    assert not point.exists()
+
+
+@pytest.mark.sshfs
+def test_an_identity_file_the_user_cannot_read_is_permanent(sshd, remote_tree: Path, tmp_path: Path) -> None:
+    # As in the unreadable data_path test: root without the capabilities that
+    # override permissions meets the kernel's own EACCES.
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    key = tmp_path / "id_ed25519"
+    shutil.copy(sshd.user_key, key)
+    key.chmod(0o600)
+    os.chown(key, 65534, 65534)
+    point = tmp_path / "never-made"
+    code = (
+        "from prepare import data\n"
+        "from prepare.spec import DataSpec, PrepareSpec, SshSpec\n"
+        "from prepare.fail import Fail\n"
+        f"spec = PrepareSpec(data=DataSpec(data_path={str(point)!r}, data_source={sshd.source(remote_tree)!r}),\n"
+        f"    ssh=SshSpec(identity_file={str(key)!r}, options={sshd.options!r}))\n"
+        "try:\n    data.ensure_root(spec, [])\nexcept Fail as f:\n    print(f.kind); print(f.message)\n"
+    )
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kind, message = done.stdout.split("\n", 1)
+    assert kind == "permanent", message
+    assert "Permission denied (EACCES)" in message
+    assert str(key) in message and "--identity-file" in message
+    assert not point.exists()
+
+
 @pytest.mark.sshfs
 def test_a_remote_directory_that_does_not_exist_is_transient_with_sshfs_stderr(
     sshd, sshfs_mounts, remote_tree: Path
@@ -677,6 +850,23 @@ def test_a_mountpoint_that_is_a_file_is_permanent(sshd, remote_tree: Path, tmp_p
     fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(tmp_path / "file" / "below")))
     assert fail.kind == "permanent"
     assert "sudo mkdir -p" in fail.message
+
+
+@pytest.mark.mounts
+def test_os_errors_are_worded_with_their_errno_symbol_like_every_other_step(
+    sshd, remote_tree: Path, tmp_path: Path, tmpfs: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "file").write_text("x")
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(tmp_path / "file" / "below")))
+    assert fail.kind == "permanent"
+    assert "Not a directory (ENOTDIR)" in fail.message
+    # A lock directory the kernel will not let anyone create in.
+    ro = tmpfs(read_only=True)  # type: ignore[operator]
+    monkeypatch.setattr(data, "_lock_dir", lambda: str(ro))
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(tmp_path / "locked")))
+    assert fail.kind == "permanent"
+    assert "mount lock" in fail.message
+    assert "Read-only file system (EROFS)" in fail.message
 
 
 def test_the_root_directory_is_refused_as_a_mountpoint(sshd, remote_tree: Path) -> None:
