@@ -3,8 +3,11 @@ training binary built from the published source against it.
 
 The order inside is as load-bearing as the pipeline's:
 
-1. The spec is checked first (a flake named, a pinned source URL, sane box
+1. The spec is checked first (a flake named, a pinned source URL, neither
+   one a path Nix would resolve against the working directory, sane box
    recipe values): no nix call is spent on a config that cannot work.
+   Then `<state>/lock`: a second prepare on the box waits for the first
+   (saying so), bounded, since afterwards its own run is a warm no-op.
 2. The variant and its arch coverage come from *evaluating* the flake's
    `fdl.variants`: nothing is fetched or built before a card that the
    variant ships no kernel for is refused (permanent).
@@ -44,11 +47,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import dirs, human
+from prepare import config, dirs, human
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import variants as variants_mod
-from prepare.fail import permanent
+from prepare.fail import permanent, transient
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
 CONTRACT = 1
@@ -57,6 +60,17 @@ Progress = Callable[[dict[str, Any]], None]
 _GIT_SCHEMES = ("git+https", "git+http", "git+ssh", "git+file", "git")
 _FORGE_SCHEMES = ("github", "gitlab", "sourcehut")
 _TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz2", ".tar.zst", ".zip")
+
+# How long a prepare waits for another one holding <state>/lock. Waiting is
+# normal: a restart racing a manual run builds the same thing, and once the
+# holder is done ours is a warm no-op. The bound only turns a stuck holder
+# into a transient Fail naming the lock instead of a silent hang. With
+# build_timeout_s set, the holder's whole locked section is bounded (one
+# evaluation, one fetch, the build and its grace), so the wait is that plus
+# LOCK_MARGIN_S; without it the build is unbounded, and LOCK_WAIT_S (6 h) is
+# longer than any sane cold build of libtorch and a training binary.
+LOCK_WAIT_S = 6 * 3600.0
+LOCK_MARGIN_S = nix_mod.EVAL_TIMEOUT_S + nix_mod.FETCH_TIMEOUT_S + nix_mod.BUILD_GRACE_S + 60.0
 
 
 @dataclass(frozen=True)
@@ -75,9 +89,9 @@ def default_state_dir(env: dict[str, str] | None = None, uid: int | None = None)
     then the XDG state home, then the per-user default; root gets /var/lib."""
     env = dict(os.environ) if env is None else env
     uid = os.getuid() if uid is None else uid
-    if env.get("STATE_DIRECTORY"):
-        # systemd passes a colon-separated list when a unit declares several.
-        return env["STATE_DIRECTORY"].split(":")[0]
+    from_unit = config.env_value(env, config.STATE_ENV)
+    if from_unit:
+        return from_unit
     if env.get("XDG_STATE_HOME"):
         return os.path.join(env["XDG_STATE_HOME"], "fdl-prepare")
     if uid == 0:
@@ -86,9 +100,26 @@ def default_state_dir(env: dict[str, str] | None = None, uid: int | None = None)
     return os.path.join(home, ".local", "state", "fdl-prepare")
 
 
+def _state_origin(spec: PrepareSpec, env: dict[str, str]) -> str:
+    """Where the state directory came from, for the message about it. The
+    config's resolve fills spec.state_dir from $STATE_DIRECTORY too, so a
+    value equal to it is named as the unit's."""
+    from_unit = config.env_value(env, config.STATE_ENV)
+    if spec.state_dir:
+        if from_unit and os.path.abspath(spec.state_dir) == os.path.abspath(from_unit):
+            return f"${config.STATE_ENV}, systemd's StateDirectory="
+        return "state_dir, --state-dir"
+    if from_unit:
+        return f"${config.STATE_ENV}, systemd's StateDirectory="
+    if env.get("XDG_STATE_HOME"):
+        return "$XDG_STATE_HOME"
+    return "the default for root" if os.getuid() == 0 else "the default for this user"
+
+
 def _ensure_state_dir(spec: PrepareSpec) -> str:
-    state = os.path.abspath(spec.state_dir or default_state_dir())
-    origin = "state_dir, --state-dir" if spec.state_dir else "the default for this user"
+    env = dict(os.environ)
+    state = os.path.abspath(spec.state_dir or default_state_dir(env))
+    origin = _state_origin(spec, env)
     # The same proof as the node-local directories: it holds the GC roots
     # of built outputs, so it must take a write before a build is spent.
     dirs.prove_writable(
@@ -97,16 +128,56 @@ def _ensure_state_dir(spec: PrepareSpec) -> str:
     return state
 
 
+def lock_wait_s(build_timeout_s: float | None) -> float:
+    """The longest a prepare waits for <state>/lock (see LOCK_WAIT_S)."""
+    if build_timeout_s:
+        return float(build_timeout_s) + LOCK_MARGIN_S
+    return LOCK_WAIT_S
+
+
 @contextmanager
-def _locked(state: str) -> Iterator[None]:
+def _locked(state: str, wait_s: float, step: Callable[[str, str], None], notes: list[str]) -> Iterator[None]:
     """Two prepares on one box (a restart racing a manual run) must not
-    rewrite the recipe or the out-links under each other."""
-    with open(os.path.join(state, "lock"), "a+", encoding="utf-8") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    rewrite the recipe or the out-links under each other. A busy lock is
+    said at once (a progress step and a note), then waited for, bounded."""
+    path = os.path.join(state, "lock")
+    with open(path, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _wait_for_lock(handle.fileno(), path, wait_s, step, notes)
         try:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _wait_for_lock(fd: int, path: str, wait_s: float, step: Callable[[str, str], None], notes: list[str]) -> None:
+    step("wait", f"another fdl-prepare holds {path}; waiting for it (up to {_duration(wait_s)})")
+    start = time.monotonic()
+    deadline = start + wait_s
+    pause = 0.05
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise transient(
+                    f"another fdl-prepare has held {path} for over {_duration(wait_s)} and this one stopped "
+                    f"waiting: it is probably stuck. See who holds it (`fuser -v {path}`, or `systemctl status` "
+                    "of the unit), stop it if it is wedged; the next attempt retries"
+                ) from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 1.0)
+    notes.append(f"another fdl-prepare held {path}: waited {time.monotonic() - start:.1f}s for it")
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    return f"{seconds:g}s"
 
 
 # -- the source URL -----------------------------------------------------------------
@@ -125,6 +196,12 @@ def check_source_url(url: str | None) -> str:
             "\"git+https://host/repo?ref=main\" or \"path:/srv/train\""
         )
     url = str(url).strip()
+    if any(c.isspace() for c in url):
+        raise permanent(
+            f"source.from = {url!r} contains whitespace, which Nix refuses in a URL (\"is not a valid URL\"; "
+            "path: URLs are not percent-decoded either): move or link the tree to a path without spaces and "
+            "name that in [join.source] from (--source)"
+        )
     if url.startswith("/") or url.startswith("."):
         raise permanent(
             f"source.from = {url!r} is a bare path; Nix would guess whether it is a git checkout (following its "
@@ -137,6 +214,7 @@ def check_source_url(url: str | None) -> str:
             f"source.from = {url!r} is not a flake URL (no scheme): use git+https://, git+ssh://, git+file://, "
             "path: or a tarball https:// URL (--source)"
         )
+    _check_local_path(url, scheme, "source.from", "[join.source] from (--source)", "/srv/train", "?ref=main")
     query = parse_qs(urlsplit(url).query)
     if scheme in _GIT_SCHEMES or scheme.startswith("git+"):
         if not query.get("ref") and not query.get("rev"):
@@ -157,6 +235,61 @@ def check_source_url(url: str | None) -> str:
             f"source.from = {url!r} looks like a flake registry name; fdl-prepare consults no registry (a box "
             "without internet would wait on it). Write the full URL (git+https://...?ref=..., path:...) (--source)"
         )
+    return url
+
+
+def _check_local_path(url: str, scheme: str, field: str, where: str, example: str, git_query: str = "") -> None:
+    """A `path:` or `git+file:` URL with an empty or relative path is
+    resolved by Nix against the working directory: `/` under systemd, which
+    copies the whole filesystem into the store, and another tree for every
+    shell a manual run starts from."""
+    if scheme != "path" and not scheme.endswith("+file"):
+        return
+    parts = urlsplit(url)
+    if parts.netloc or parts.path.startswith("/"):
+        return  # absolute (an authority is Nix's to refuse, as a URL that does not parse)
+    rel = parts.path
+    target = os.path.abspath(rel) if rel else example
+    query = f"?{parts.query}" if parts.query else (git_query if scheme.startswith("git+") else "")
+    fixed = f"path:{target}{query}" if scheme == "path" else f"{scheme}://{target}{query}"
+    what = "names no directory" if not rel else f"names a relative directory ({rel!r})"
+    raise permanent(
+        f"{field} = {url!r} {what}: Nix would resolve it against the working directory (here {os.getcwd()!r}; "
+        f"`/` under systemd, copying the whole filesystem into the store). Write an absolute path, e.g. "
+        f"\"{fixed}\", in {where}"
+    )
+
+
+def check_flake_url(flake: str | None) -> str:
+    """Refuse, before any nix call, a flake reference that cannot be the
+    flake: nothing else checks it before Nix would evaluate it."""
+    url = (flake or "").strip()
+    where = "[join] flake (--flake; $FDL_PREPARE_FLAKE is the default the app sets)"
+    if not url:
+        raise permanent(
+            "no flake to build from: set flake in [join] (--flake), e.g. \"github:owner/fdl-prepare\" or "
+            "\"git+file:///srv/fdl-prepare?ref=main\"; `nix run .#prepare` sets it to its own flake"
+        )
+    if any(c.isspace() for c in url):
+        raise permanent(
+            f"flake = {url!r} contains whitespace, which Nix refuses in a URL (\"is not a valid URL\"): move or "
+            f"link the flake to a path without spaces and name that in {where}"
+        )
+    if "#" in url:
+        bare, _, fragment = url.partition("#")
+        raise permanent(
+            f"flake = {url!r} names an attribute (#{fragment}); fdl-prepare picks the attributes itself "
+            f"(legacyPackages.<system>.fdl, nix/CONTRACT.md), so Nix would get two fragments. Name the flake "
+            f"alone: \"{bare}\" in {where}"
+        )
+    if url.startswith("."):
+        raise permanent(
+            f"flake = {url!r} is a relative path: Nix would resolve it against the working directory (here "
+            f"{os.getcwd()!r}; `/` under systemd). Write it absolute, e.g. \"path:{os.path.abspath(url)}\", "
+            f"in {where}"
+        )
+    scheme = url.partition(":")[0] if ":" in url else ""
+    _check_local_path(url, scheme, "flake", where, "/srv/fdl-prepare")
     return url
 
 
@@ -195,12 +328,7 @@ def build(
     """Resolve the variant, check its coverage, fetch the source, build.
     Raises Fail; returns what the run needs. Idempotent: with nothing
     changed, a second call builds and downloads nothing."""
-    flake = (spec.flake or "").strip()
-    if not flake:
-        raise permanent(
-            "no flake to build from: set flake in [join] (--flake), e.g. \"github:owner/fdl-prepare\" or "
-            "\"git+file:///srv/fdl-prepare?ref=main\"; `nix run .#prepare` sets it to its own flake"
-        )
+    flake = check_flake_url(spec.flake)
     source = spec.source
     if source is not None:
         check_source_url(source.from_)
@@ -222,7 +350,7 @@ def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step:
          system: str, state: str) -> Built:
     source = spec.source
     fdl = f"{flake}#legacyPackages.{system}.fdl"
-    with _locked(state):
+    with _locked(state, lock_wait_s(spec.build_timeout_s), step, notes):
         step("evaluate", f"libtorch variants of {flake}")
         meta = nix.eval_json(
             fdl,
@@ -251,9 +379,7 @@ def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step:
             step("fetch", f"training source {source.from_}")
             fetched = nix.prefetch(
                 source.from_,
-                doing=f"fetching the training source {source.from_!r} (source.from)",
-                fix="check that the URL, its ref and the network are right (source.from, --source); "
-                    "the next attempt retries",
+                doing=f"fetching the training source {source.from_!r} (source.from, --source)",
             )
             _note_fetched(fetched, notes)
             manifest = manifest_mod.read(fetched.store_path)

@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from prepare import human
 from prepare.fail import permanent, transient
 
 if sys.version_info >= (3, 11):
@@ -106,7 +107,11 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
 
 
 def read(source_root: str) -> Manifest | None:
-    """The manifest at the root of a fetched source tree, or None if it has none."""
+    """The manifest at the root of a fetched source tree, or None if it has none.
+
+    Bytes that are not UTF-8 are a malformed manifest like any other
+    (transient, the next publish fixes it), not text to decode with
+    replacement characters: a garbled run id would pass silently."""
     path = os.path.join(source_root, FILENAME)
     try:
         with open(path, "rb") as handle:
@@ -114,8 +119,16 @@ def read(source_root: str) -> Manifest | None:
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise transient(f"cannot read the run manifest {path}: {err.strerror}") from None
-    return parse(raw.decode("utf-8", "replace"), where=path)
+        raise transient(f"cannot read the run manifest {path}: {human.oserror(err)}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = raw[: bad.start].count(b"\n") + 1
+        raise transient(
+            f"the run manifest {path} is not UTF-8 (byte 0x{raw[bad.start]:02x} on line {line}): TOML is UTF-8; "
+            f"publish a fixed {FILENAME}"
+        ) from None
+    return parse(text, where=path)
 
 
 def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> str:

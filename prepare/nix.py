@@ -295,9 +295,25 @@ BUILD = "build"
 # compiling them at import would cost every warm run ~10 ms.
 _HASH_MISMATCH = r"hash mismatch in fixed-output derivation|hash mismatch importing path|NAR hash mismatch|got:\s+sha256"
 _NO_SPACE = r"no space left on device|disk quota exceeded|database or disk is full"
+# Daemon wording only. "connection reset by peer" and "unexpected end-of-file"
+# also end a download cut short (current Nix appends curl's own words:
+# "unable to download '…': Failure when receiving data from the peer (56)
+# Recv failure: Connection reset by peer"), and sending an operator to
+# `systemctl start nix-daemon` for a flaky network is the wrong fix. A daemon
+# that drops the connection says so through its store: "cannot open
+# connection to remote store 'unix://…': … Connection reset by peer" (Nix 2.8).
+# A cut with no daemon wording is a fetch (below): transient either way.
 _DAEMON = (
-    r"cannot connect to socket at|cannot connect to daemon|daemon-socket.*(connection refused|no such file)|"
-    r"unexpected end-of-file|error reading from daemon|connection reset by peer"
+    r"cannot connect to socket at|cannot connect to daemon|error (reading from|writing to) daemon|"
+    r"cannot open connection to remote store '(daemon|unix:[^']*)'|daemon-socket/socket"
+)
+# A flake URL Nix cannot parse (source.from, flake, or an input the flake
+# declares): no retry parses it, so it must stop a persist loop. Checked
+# before the fetch fallback, which would call any error in a fetch transient.
+_BAD_URL = (
+    r"is not a valid URL|\bURL '[^']*' is invalid|input '[^']*' is unsupported|has wrong length for hash type|"
+    r"invalid SRI hash|is not SRI|invalid base-(16|32|64) hash|unexpected fragment '|should not have an authority|"
+    r"has unexpected authority|has unsupported parameter|invalid Git branch/tag name"
 )
 _TIMEOUT = r"timed out after \d+ seconds"
 _BUILDER = (
@@ -309,7 +325,8 @@ _FETCH = (
     r"failed to connect|connection refused|connection timed out|timeout was reached|network is unreachable|"
     r"temporary failure in name resolution|name or service not known|program 'git' failed|unable to access|"
     r"cannot fetch|failed to fetch|unable to fetch|could not read from remote repository|http error|"
-    r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b"
+    r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b|connection reset by peer|"
+    r"unexpected end-of-file|failure when receiving data from the peer"
 )
 
 
@@ -320,7 +337,7 @@ def _pattern(source: str) -> re.Pattern[str]:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    category: str  # hash-mismatch, no-space, store-permission, daemon, timeout, builder, fetch, evaluation, unknown
+    category: str  # hash-mismatch, no-space, store-permission, daemon, timeout, builder, bad-url, fetch, evaluation, unknown
     permanent: bool
     detail: str
 
@@ -339,7 +356,9 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
     """Why a nix call failed, and whether retrying could help.
 
     Specific causes first (they can surface in any phase: a full store stops
-    a fetch as surely as a build), then the phase decides: an evaluation error
+    a fetch as surely as a build; a URL that does not parse is permanent even
+    in a fetch, where any other error is taken for the network's), then the
+    phase decides: an evaluation error
     is permanent, a failed fetch transient, and in a build call an error with
     no build started is the evaluation of the overridden flake (permanent)
     while an error after one is the builder's (transient)."""
@@ -357,6 +376,8 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
         return Diagnosis("timeout", False, detail)
     if phase == BUILD and (_pattern(_BUILDER).search(text) or (log.builds() and not log.errors)):
         return Diagnosis("builder", False, detail)
+    if log.errors and _pattern(_BAD_URL).search(text):
+        return Diagnosis("bad-url", True, detail)
     if _pattern(_FETCH).search(text) or _pattern(_FETCH).search("\n".join(log.other)):
         return Diagnosis("fetch", False, detail)
     if not log.errors:
@@ -382,19 +403,27 @@ _FIXES = {
     "timeout": "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
                "slow; the next attempt retries",
     "builder": "the build itself failed: fix the training source and publish again; the next attempt retries",
-    "fetch": "check the network and the URL; the next attempt retries",
+    "bad-url": "Nix cannot parse the URL quoted above, and no retry will: correct source.from in [join.source] "
+               "(--source) or flake (--flake), whichever it is (or the input the flake declares with it)",
+    "fetch": "check the network, the URL and its ref; the next attempt retries",
     "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
     "unknown": "the next attempt retries",
 }
 
 
 def failure(diagnosis: Diagnosis, doing: str, *, fix: str | None = None, extra: str = "") -> Fail:
-    """An operator-facing Fail: what was being done, what Nix said, the fix."""
+    """An operator-facing Fail: what was being done, what Nix said, the fix.
+
+    `fix` is the caller's word for an evaluation error only (it knows which
+    setting names the flake); every other category has one cause whatever
+    the call, and its own fix: an input fetch that fails while the flake is
+    evaluated is the network's fault, not the flake's, and says retry."""
     detail = _clip(diagnosis.detail)
     message = f"{doing} failed: {detail}"
     if extra:
         message += f"\n{extra}"
-    message += f"\nFix: {fix or _FIXES[diagnosis.category]}"
+    chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
+    message += f"\nFix: {chosen}"
     return Fail(message, permanent=diagnosis.permanent)
 
 
@@ -513,7 +542,7 @@ class Nix:
                 raise self._missing() from None
             except proc.TimedOut:
                 raise transient(f"`{resolved} --version` did not answer within 60s; the next attempt retries") from None
-            version = parse_version(done.stdout)
+            version = parse_nix_version(done.stdout)
             if done.returncode != 0 or version is None:
                 raise permanent(
                     f"`{resolved} --version` failed (exit {done.returncode}): "
@@ -566,14 +595,15 @@ class Nix:
                 f"({outcome.completed.stdout[:200]!r}); is the flake's output a plain value?"
             ) from None
 
-    def prefetch(self, url: str, *, timeout: float = FETCH_TIMEOUT_S, doing: str | None = None,
-                 fix: str | None = None) -> Prefetched:
+    def prefetch(self, url: str, *, timeout: float = FETCH_TIMEOUT_S, doing: str | None = None) -> Prefetched:
+        """`nix flake prefetch --json url`. No caller fix: a fetch's failure
+        is never an evaluation error, so every category brings its own."""
         self._ensure_registry()
         # tarball-ttl 0: a remote git ref (or tarball URL) is otherwise
         # resolved from Nix's cache for an hour, and a re-dial right after a
         # publish would build the previous commit.
         argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", url]
-        outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH, fix=fix)
+        outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH)
         try:
             data = json.loads(outcome.completed.stdout)
             return Prefetched(url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked"))
@@ -642,12 +672,11 @@ class Nix:
                 # git and ssh write the actual cause (refused, unknown ref,
                 # bad host key) as plain lines; Nix only says git failed.
                 extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
-            raise failure(diagnosis, doing, fix=fix if diagnosis.category in ("evaluation", "fetch") else None,
-                          extra=extra)
+            raise failure(diagnosis, doing, fix=fix, extra=extra)
         return outcome
 
 
-def parse_version(text: str) -> tuple[int, int, int] | None:
+def parse_nix_version(text: str) -> tuple[int, int, int] | None:
     """`nix (Nix) 2.8.0`, `nix (Determinate Nix 3.6.2) 2.29.0`, `nix (Lix, like
     Nix) 2.91.1`: the last version number on the first line is Nix's."""
     first = text.strip().splitlines()[0] if text.strip() else ""

@@ -63,7 +63,9 @@ def parse_arch(text: str) -> Arch:
     return Arch(int(major), int(minor), ptx is not None)
 
 
-def parse_version(text: Any) -> tuple[int, int] | None:
+def parse_cuda_version(text: Any) -> tuple[int, int] | None:
+    """A variant's `cuda`: "12.8" -> (12, 8), "12" -> (12, 0), null -> None
+    (a CPU build). Not Nix's version: that is `nix.parse_nix_version`."""
     if text is None:
         return None
     match = re.match(r"^\s*(\d+)(?:\.(\d+))?", str(text))
@@ -87,7 +89,7 @@ def parse_variants(raw: Any, flake: str) -> dict[str, Variant]:
             if not isinstance(meta, Mapping):
                 raise ValueError(f"expected an attribute set, got {meta!r}")
             label = str(meta.get("label", key))
-            cuda = parse_version(meta.get("cuda"))
+            cuda = parse_cuda_version(meta.get("cuda"))
             archs = tuple(parse_arch(a) for a in (meta.get("archs") or ()))
         except ValueError as bad:
             raise permanent(

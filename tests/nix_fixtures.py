@@ -31,6 +31,15 @@ in this process (stopped at teardown).
 
 `state_dir` (function) -> str: an empty state directory for the runner.
 
+`reset_server` (function) -> int: the port of a loopback TCP listener that
+reads each request and resets the connection (RST, SO_LINGER 0): a download
+cut by the peer. Stopped at teardown.
+
+`lock_holder` (function) -> `(path, seconds) -> subprocess.Popen`: a second
+process (a python child) that takes flock(LOCK_EX) on `path`, as another
+fdl-prepare would on <state>/lock, and holds it for `seconds`; returns once
+it holds the lock. Killed at teardown.
+
 `valid_path(path)` -> bool: whether the store knows `path` as complete.
 `procs_with(text)` -> list of (pid, cmdline) of live processes whose command
 line contains `text`.
@@ -38,6 +47,7 @@ line contains `text`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -273,3 +283,72 @@ def procs_with(text: str) -> list[tuple[int, str]]:
             found.append((int(entry), cmdline))
     return found
 
+
+
+@pytest.fixture
+def reset_server() -> Iterator[int]:
+    import socket
+    import struct
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                with contextlib.suppress(OSError):
+                    conn.recv(65536)
+                # Linger 0: close() sends RST, "Connection reset by peer".
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(timeout=5)
+
+
+_HOLD = """
+import fcntl, sys, time
+handle = open(sys.argv[1], "a+")
+fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+@pytest.fixture
+def lock_holder() -> Iterator[Callable[[str, float], subprocess.Popen[str]]]:
+    import sys
+
+    children: list[subprocess.Popen[str]] = []
+
+    def hold(path: str, seconds: float) -> subprocess.Popen[str]:
+        child = subprocess.Popen([sys.executable, "-c", _HOLD, path, str(seconds)], stdout=subprocess.PIPE, text=True)
+        children.append(child)
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "held", "the lock holder never took the lock"
+        return child
+
+    try:
+        yield hold
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+            child.wait()
+            if child.stdout is not None:
+                child.stdout.close()

@@ -425,3 +425,210 @@ def test_sigterm_during_a_build_leaves_no_out_link_to_a_partial_output(nix_env, 
     assert after == before
     assert all(valid_path(target) for target in after.values())
     assert os.path.realpath(first.bin.path) == first.bin.path and os.access(first.bin.path, os.X_OK)
+
+
+# -- URLs that follow the working directory, or cannot be the flake -------------------
+
+
+def _no_nix_spent(events: list[dict]) -> bool:
+    return not events
+
+
+def test_a_source_url_with_whitespace_is_refused_before_any_nix_call(nix_env, test_flake, state_dir, tmp_path):
+    events: list[dict] = []
+    url = f"path:{tmp_path}/a src"
+    fail = expect_fail(spec(test_flake, state_dir, url), events=events)
+    assert fail.permanent
+    assert "whitespace" in fail.message and "source.from" in fail.message and "--source" in fail.message
+    assert _no_nix_spent(events)
+
+
+@pytest.mark.parametrize("url", ["path:", "path:relative/dir", "path:./relative/dir"])
+def test_an_empty_or_relative_path_source_is_permanent_and_shows_an_absolute_one(
+    nix_env, test_flake, state_dir, tmp_path, monkeypatch, url
+):
+    """Nix resolves it against the working directory: under systemd that is
+    `/`, and `path:` copies the whole filesystem into the store. Here the
+    working directory holds a publishable tree, which Nix would happily
+    build from."""
+    cwd = tmp_path / "cwd"
+    (cwd / "relative" / "dir").mkdir(parents=True)
+    for where in (cwd, cwd / "relative" / "dir"):
+        for rel, text in trainer().items():
+            (where / rel).write_text(text)
+    monkeypatch.chdir(cwd)
+    events: list[dict] = []
+    fail = expect_fail(spec(test_flake, state_dir, url), events=events)
+    assert fail.permanent
+    assert "source.from" in fail.message and "--source" in fail.message
+    assert "working directory" in fail.message
+    assert f'"path:{cwd}' in fail.message or '"path:/srv/train"' in fail.message
+    assert _no_nix_spent(events)
+
+
+@pytest.mark.parametrize("url", ["git+file:?ref=main", "git+file:relative?ref=main"])
+def test_an_empty_or_relative_git_file_source_is_permanent(nix_env, test_flake, state_dir, url):
+    events: list[dict] = []
+    fail = expect_fail(spec(test_flake, state_dir, url), events=events)
+    assert fail.permanent
+    assert "source.from" in fail.message and "--source" in fail.message
+    assert '"git+file:///' in fail.message
+    assert _no_nix_spent(events)
+
+
+@pytest.mark.parametrize("flake", ["path:", "."])
+def test_a_flake_that_follows_the_working_directory_is_permanent(nix_env, make_flake, state_dir, monkeypatch,
+                                                                 flake):
+    """From inside a checkout of the flake, `--flake path:` (or `.`) works
+    by accident; from systemd's `/` it copies the filesystem."""
+    monkeypatch.chdir(make_flake().removeprefix("path:"))
+    events: list[dict] = []
+    fail = expect_fail(spec(flake, state_dir), events=events)
+    assert fail.permanent
+    assert "flake" in fail.message and "--flake" in fail.message
+    assert "working directory" in fail.message and '"path:/' in fail.message
+    assert _no_nix_spent(events)
+
+
+def test_a_flake_url_with_a_fragment_is_permanent_before_any_nix_call(nix_env, test_flake, state_dir):
+    events: list[dict] = []
+    fail = expect_fail(spec(f"{test_flake}#legacyPackages", state_dir), events=events)
+    assert fail.permanent
+    assert "#legacyPackages" in fail.message and f'"{test_flake}"' in fail.message and "--flake" in fail.message
+    assert _no_nix_spent(events)
+
+
+def test_check_flake_url_takes_the_flakes_the_runner_is_given():
+    for url in ("path:/nix/store/abc-source?narHash=sha256-x", "github:owner/fdl-prepare",
+                "git+file:///srv/fdl?ref=main&dir=tests/flake", "/srv/fdl-prepare"):
+        assert build_mod.check_flake_url(f"  {url} ") == url
+
+
+# -- the state directory: where it came from ---------------------------------------------
+
+
+def _blocked(tmp_path: Path) -> Path:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    return blocker / "state"
+
+
+def test_an_unwritable_state_dir_from_state_directory_is_named_as_the_units(test_flake, tmp_path, monkeypatch):
+    monkeypatch.setenv("STATE_DIRECTORY", f"{_blocked(tmp_path)}:/var/lib/other")
+    fail = expect_fail(spec(test_flake, None))
+    assert fail.permanent
+    assert "(from $STATE_DIRECTORY" in fail.message
+    assert "from state_dir, --state-dir" not in fail.message and "the default for" not in fail.message
+    assert "--state-dir" in fail.message  # what moves it
+
+
+def test_a_state_dir_the_config_took_from_state_directory_is_named_as_the_units(test_flake, tmp_path, monkeypatch):
+    from prepare import config
+
+    blocked = str(_blocked(tmp_path))
+    monkeypatch.setenv("STATE_DIRECTORY", blocked)
+    resolved = config.resolve({}, {}, dict(os.environ))
+    assert resolved.state_dir == blocked
+    fail = expect_fail(spec(test_flake, resolved.state_dir))
+    assert "(from $STATE_DIRECTORY" in fail.message
+
+
+def test_an_unwritable_state_dir_from_xdg_state_home_is_named_so(test_flake, tmp_path, monkeypatch):
+    monkeypatch.delenv("STATE_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(_blocked(tmp_path)))
+    fail = expect_fail(spec(test_flake, None))
+    assert fail.permanent
+    assert "(from $XDG_STATE_HOME)" in fail.message
+
+
+def test_an_unwritable_state_dir_given_by_flag_is_named_as_the_flag(test_flake, tmp_path, monkeypatch):
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "unit-state"))
+    fail = expect_fail(spec(test_flake, str(_blocked(tmp_path))))
+    assert "(from state_dir, --state-dir)" in fail.message
+
+
+def test_the_default_state_dir_reads_state_directory_as_the_config_does():
+    assert build_mod.default_state_dir({"STATE_DIRECTORY": "/var/lib/a:/var/lib/b"}, uid=1000) == "/var/lib/a"
+    # An empty first entry is no StateDirectory= at all (config.env_value):
+    # not "", which abspath would turn into the working directory.
+    got = build_mod.default_state_dir({"STATE_DIRECTORY": ":/var/lib/b", "XDG_STATE_HOME": "/x"}, uid=1000)
+    assert got == "/x/fdl-prepare"
+    assert build_mod.default_state_dir({"HOME": "/home/u"}, uid=1000) == "/home/u/.local/state/fdl-prepare"
+    assert build_mod.default_state_dir({}, uid=0) == "/var/lib/fdl-prepare"
+
+
+# -- two prepares, one state directory ----------------------------------------------------
+
+
+def _in_thread(call, timeout: float):
+    """Run `call` in a thread and give up on it after `timeout`: a lock wait
+    without a bound would otherwise hang the test run."""
+    import threading
+
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"still waiting after {timeout}s"
+    return box
+
+
+def test_a_prepare_waits_for_another_holding_the_state_lock_and_says_so(nix_env, test_flake, state_dir,
+                                                                         lock_holder):
+    lock = os.path.join(state_dir, "lock")
+    lock_holder(lock, 1.5)
+    events: list[dict] = []
+    start = time.monotonic()
+    got, notes = run(spec(test_flake, state_dir), events=events)
+    assert time.monotonic() - start >= 1.0
+    assert got.libtorch.variant == "cpu"
+    waits = [e for e in events if e["type"] == "step" and e["name"] == "wait"]
+    assert len(waits) == 1 and lock in waits[0]["detail"] and "another fdl-prepare" in waits[0]["detail"]
+    # Said before anything else: the wait is the first thing shown.
+    assert events[0] is waits[0]
+    assert any(lock in n and "waited" in n for n in notes)
+
+
+def test_a_free_state_lock_is_taken_without_a_word(nix_env, test_flake, state_dir):
+    events: list[dict] = []
+    _, notes = run(spec(test_flake, state_dir), events=events)
+    assert not [e for e in events if e.get("name") == "wait"]
+    assert not any("waited" in n for n in notes)
+
+
+def test_a_state_lock_held_past_the_bound_is_transient_and_names_the_lock_file(
+    nix_env, test_flake, state_dir, lock_holder, monkeypatch
+):
+    monkeypatch.setattr(build_mod, "LOCK_WAIT_S", 1.0)
+    lock = os.path.join(state_dir, "lock")
+    lock_holder(lock, 600)
+    start = time.monotonic()
+    box = _in_thread(lambda: run(spec(test_flake, state_dir)), 30)
+    assert time.monotonic() - start >= 1.0
+    fail = box.get("error")
+    assert isinstance(fail, Fail), box
+    assert not fail.permanent
+    assert lock in fail.message and "another fdl-prepare" in fail.message
+
+
+def test_the_state_lock_wait_is_bounded_by_build_timeout_when_it_is_set(nix_env, test_flake, state_dir,
+                                                                         lock_holder, monkeypatch):
+    from dataclasses import replace
+
+    monkeypatch.setattr(build_mod, "LOCK_MARGIN_S", 0.5)
+    lock = os.path.join(state_dir, "lock")
+    lock_holder(lock, 600)
+    start = time.monotonic()
+    box = _in_thread(lambda: run(replace(spec(test_flake, state_dir), build_timeout_s=1)), 30)
+    assert time.monotonic() - start >= 1.5
+    fail = box.get("error")
+    assert isinstance(fail, Fail) and not fail.permanent and lock in fail.message
+    assert build_mod.lock_wait_s(None) == build_mod.LOCK_WAIT_S
+    assert build_mod.lock_wait_s(600) == 600 + build_mod.LOCK_MARGIN_S

@@ -135,3 +135,23 @@ def test_notes_name_the_run_its_age_and_a_build_the_controller_did_not_make():
     notes = notes_for(merge(SourceSpec(from_=URL), manifest, URL), manifest, 1300)
     assert notes[0] == "run run-9, published 5m ago, from ctl"
     assert "NOT built by the controller" in notes[1]
+
+
+def test_a_manifest_that_is_not_utf8_is_transient_and_names_the_file(tmp_path):
+    # A run id garbled in transit must not reach the run as "run-\ufffd".
+    (tmp_path / FILENAME).write_bytes(b'bin = "train"\nrun = "run-\xff42"\n')
+    with pytest.raises(Fail) as caught:
+        read(str(tmp_path))
+    assert not caught.value.permanent  # like any other malformed manifest: the next publish fixes it
+    assert str(tmp_path / FILENAME) in caught.value.message
+    assert "UTF-8" in caught.value.message and "line 2" in caught.value.message
+    assert "publish a fixed" in caught.value.message
+
+
+def test_a_manifest_that_cannot_be_read_names_the_os_error_as_the_other_steps_do(tmp_path):
+    (tmp_path / FILENAME).mkdir()
+    with pytest.raises(Fail) as caught:
+        read(str(tmp_path))
+    assert not caught.value.permanent
+    assert str(tmp_path / FILENAME) in caught.value.message
+    assert "Is a directory (EISDIR)" in caught.value.message

@@ -19,7 +19,7 @@ from nix_fixtures import NIX_CONFIG, require_nix, trainer
 from prepare import nix as nix_mod
 from prepare.build import build
 from prepare.fail import Fail
-from prepare.nix import BUILD, EVALUATION, FETCH, Log, Nix, diagnose, parse_version
+from prepare.nix import BUILD, EVALUATION, FETCH, Log, Nix, diagnose, parse_nix_version
 from prepare.spec import PrepareSpec, SourceSpec
 
 
@@ -47,7 +47,7 @@ def _error(text: str) -> str:
     ],
 )
 def test_the_version_is_the_last_number_on_the_first_line(text, want):
-    assert parse_version(text) == want
+    assert parse_nix_version(text) == want
 
 
 def _shim(tmp_path: Path, body: str) -> str:
@@ -345,3 +345,158 @@ def test_a_store_this_user_cannot_write_is_permanent(nix_env, test_flake, tmp_pa
     assert caught.value.permanent
     assert "Operation not permitted" in caught.value.message or "Permission denied" in caught.value.message
     assert "store's owner" in caught.value.message
+
+
+# -- a URL that does not parse, a cut connection, the caller's fix ------------------------
+
+# Current Nix appends curl's own words to a failed download; Nix 2.8 does
+# not, so these are recorded from the format string in filetransfer.cc.
+CUT = [
+    (FETCH, "unable to download 'https://git.example/src.tar.gz': Failure when receiving data from the peer (56) "
+            "Recv failure: Connection reset by peer"),
+    (EVALUATION, "unable to download 'https://api.github.com/repos/NixOS/nixpkgs/tarball/x': Failure when receiving "
+                 "data from the peer (56) Recv failure: Connection reset by peer"),
+    (FETCH, "unexpected end-of-file"),
+]
+
+
+@pytest.mark.parametrize(("phase", "text"), CUT)
+def test_a_download_cut_by_the_peer_is_a_fetch_not_a_dead_daemon(phase, text):
+    log = Log()
+    log.feed(_error(text))
+    got = diagnose(phase, log, returncode=1)
+    assert (got.category, got.permanent) == ("fetch", False)
+    fail = nix_mod.failure(got, "fetching", fix="point flake (--flake) at a flake that follows the contract")
+    assert "nix-daemon" not in fail.message
+    assert "retries" in fail.message.split("Fix:")[1] and "point flake" not in fail.message
+
+
+def test_a_daemon_that_drops_the_connection_is_still_the_daemon(nix_env, test_flake, tmp_path, monkeypatch):
+    """The daemon anchor must still catch a daemon that accepts and resets:
+    Nix 2.8 says "cannot open connection to remote store 'unix://…':
+    reading from file: Connection reset by peer"."""
+    import struct
+    import threading
+
+    sock_path = tmp_path / "daemon.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(sock_path))
+    listener.listen()
+
+    def reset_all() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=reset_all, daemon=True).start()
+    try:
+        monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = unix://{sock_path}\n")
+        with pytest.raises(Fail) as caught:
+            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None, [])
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    assert not caught.value.permanent
+    assert "cannot open connection to remote store" in caught.value.message
+    assert "nix-daemon" in caught.value.message.split("Fix:")[1]
+
+
+def test_a_source_download_reset_by_the_peer_is_a_transient_fetch(nix_env, test_flake, tmp_path, reset_server):
+    url = f"http://127.0.0.1:{reset_server}/src.tar.gz"
+    spec = PrepareSpec(source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake,
+                       state_dir=str(tmp_path / "state"))
+    with pytest.raises(Fail) as caught:
+        build(spec, None, [])
+    assert not caught.value.permanent
+    assert url in caught.value.message and "source.from" in caught.value.message
+    fix = caught.value.message.split("Fix:")[1]
+    assert "retries" in fix and "nix-daemon" not in fix
+
+
+def test_an_input_fetch_failing_while_the_flake_is_evaluated_says_retry_not_fix_the_flake(
+    nix_env, make_flake, tmp_path, reset_server
+):
+    flake = make_flake(flake_nix=f"""{{
+  inputs.remote = {{ url = "http://127.0.0.1:{reset_server}/remote.tar.gz"; flake = false; }};
+  outputs = {{ self, remote }}: {{
+    legacyPackages.x86_64-linux.fdl = {{ contract = 1; variants = {{ }}; }};
+    legacyPackages.aarch64-linux.fdl = {{ contract = 1; variants = {{ }}; }};
+  }};
+}}
+""")
+    Path(flake.removeprefix("path:"), "flake.lock").unlink()
+    with pytest.raises(Fail) as caught:
+        build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")), None, [])
+    assert not caught.value.permanent
+    assert "unable to download" in caught.value.message
+    fix = caught.value.message.split("Fix:")[1]
+    assert "retries" in fix
+    assert "point flake" not in fix and "contract" not in fix and "nix-daemon" not in fix
+
+
+def _unparsable_sources(tmp_path: Path) -> list[tuple[str, str]]:
+    tree = tmp_path / "tree"
+    tree.mkdir(exist_ok=True)
+    (tree / ".fdl-run.toml").write_text('bin = "train"\n')
+    return [
+        ("file:///x", "is unsupported"),
+        ("sshfs://x/y", "is unsupported"),
+        (f"path:{tree}?rev=zzz", "has wrong length"),
+        (f"path:{tree}?narHash=sha256-AAAA", "invalid SRI hash"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_source_url_nix_cannot_parse_is_permanent_and_names_source_from(nix_env, test_flake, tmp_path, case):
+    url, said = _unparsable_sources(tmp_path)[case]
+    events: list[dict] = []
+    spec = PrepareSpec(source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake,
+                       state_dir=str(tmp_path / "state"))
+    with pytest.raises(Fail) as caught:
+        build(spec, None, [], progress=events.append)
+    assert caught.value.permanent
+    assert said in caught.value.message and url in caught.value.message
+    fix = caught.value.message.split("Fix:")[1]
+    assert "source.from" in fix and "--source" in fix and "--flake" in fix
+    assert "retries" not in fix
+    assert not any(e["type"] == "build-start" for e in events)
+
+
+def test_nix_refusing_a_url_with_a_space_is_permanent(nix_env, tmp_path):
+    """check_source_url refuses whitespace first; this is what Nix itself
+    says when such a URL reaches it anyway (a caller other than build)."""
+    (tmp_path / "a src").mkdir()
+    with pytest.raises(Fail) as caught:
+        Nix(str(tmp_path)).prefetch(f"path:{tmp_path}/a src")
+    assert caught.value.permanent
+    assert "is not a valid URL" in caught.value.message
+    assert "--source" in caught.value.message.split("Fix:")[1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "'path:/tmp/a src' is not a valid URL",
+        "input 'sshfs://x/y' is unsupported",
+        "hash 'zzz' has wrong length for hash type 'sha1'",
+        "invalid SRI hash 'AAAA'",
+        "hash 'garbage' is not SRI",
+        "invalid base-16 hash 'zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz'",
+        "URL 'github:owner' is invalid",
+        "path URL 'path://tmp/x' should not have an authority ('tmp')",
+        "file:// URL 'git+file://tmp/x?ref=main' has unexpected authority 'tmp'",
+        "path URL 'path:/x?x=1' has unsupported parameter 'x'",
+        "invalid Git branch/tag name 'ma in'",
+        "unexpected fragment 'x' in flake reference 'path:/x#x'",
+    ],
+)
+def test_every_nix_refusal_to_parse_a_url_is_permanent_in_any_phase(text):
+    for phase in (FETCH, EVALUATION, BUILD):
+        log = Log()
+        log.feed(_error(text))
+        got = diagnose(phase, log, returncode=1)
+        assert (got.category, got.permanent) == ("bad-url", True), phase

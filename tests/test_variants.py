@@ -173,3 +173,16 @@ def test_malformed_variant_metadata_is_permanent(raw):
         parse_variants(raw, FLAKE)
     assert caught.value.permanent
     assert FLAKE in caught.value.message
+
+
+def test_a_variants_cuda_version_is_major_and_minor_and_null_for_cpu():
+    from prepare import nix, variants
+
+    assert variants.parse_cuda_version("12.8") == (12, 8)
+    assert variants.parse_cuda_version("13") == (13, 0)
+    assert variants.parse_cuda_version(None) is None
+    with pytest.raises(ValueError):
+        variants.parse_cuda_version("twelve")
+    # Two parsers, two names: Nix's version is a 3-tuple read from `nix --version`.
+    assert nix.parse_nix_version("nix (Nix) 2.8.0") == (2, 8, 0)
+    assert not hasattr(variants, "parse_version") and not hasattr(nix, "parse_version")
