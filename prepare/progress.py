@@ -95,6 +95,10 @@ class PlainRenderer:
             self._line(f"fetching {name} from a binary cache")
         elif kind == "substitute-done":
             self._line(f"fetched {name} from a binary cache ({event.get('seconds', 0):.1f}s)")
+        elif kind == "step" and name == "wait":
+            # Other steps are quick; a wait on another prepare can be long,
+            # and a journal that says nothing meanwhile looks like a hang.
+            self._line(str(event.get("detail", "waiting for another fdl-prepare")))
 
 
 class LiveRenderer:

@@ -95,3 +95,11 @@ def test_a_real_build_prints_its_start_and_finish_off_a_terminal(nix_env, test_f
     lines = out.getvalue().splitlines()
     assert "fdl-prepare: building fdl-test-training-cpu" in lines
     assert any(line.startswith("fdl-prepare: built fdl-test-training-cpu (") for line in lines)
+
+
+def test_waiting_on_another_prepare_gets_a_line_off_a_terminal_and_other_steps_do_not():
+    out = io.StringIO()
+    render = progress.PlainRenderer(out)
+    render({"type": "step", "name": "evaluate", "detail": "libtorch variants of f"})
+    render({"type": "step", "name": "wait", "detail": "another fdl-prepare holds /s/lock; waiting for it (up to 6h)"})
+    assert out.getvalue() == "fdl-prepare: another fdl-prepare holds /s/lock; waiting for it (up to 6h)\n"
