@@ -640,7 +640,9 @@ def test_an_identity_file_that_is_not_a_readable_file_is_permanent_before_anythi
 
 
 @pytest.mark.sshfs
-def test_an_identity_file_the_user_cannot_read_is_permanent(sshd, remote_tree: Path, tmp_path: Path) -> None:
+def test_an_identity_file_the_user_cannot_read_is_permanent(
+    sshd, remote_tree: Path, tmp_path: Path, forget_mount_lock_of
+) -> None:
     # As in the unreadable data_path test: root without the capabilities that
     # override permissions meets the kernel's own EACCES.
     if shutil.which("setpriv") is None:
@@ -650,6 +652,7 @@ def test_an_identity_file_the_user_cannot_read_is_permanent(sshd, remote_tree: P
     key.chmod(0o600)
     os.chown(key, 65534, 65534)
     point = tmp_path / "never-made"
+    forget_mount_lock_of(point)
     code = (
         "from prepare import data\n"
         "from prepare.spec import DataSpec, PrepareSpec, SshSpec\n"
