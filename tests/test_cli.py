@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-
-def _console_script() -> str:
-    beside = Path(sys.executable).parent / "fdl-prepare"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("fdl-prepare")
-    if found is None:
-        pytest.skip("the fdl-prepare console script is not installed (pip install -e .)")
-    return found
+from console import fdl_prepare
 
 
 @pytest.fixture
@@ -43,9 +33,7 @@ def box(tmp_path: Path) -> dict[str, str]:
 
 
 def fdl(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [_console_script(), *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return fdl_prepare(env, *args, timeout=timeout)
 
 
 def test_version_prints_the_package_version() -> None:

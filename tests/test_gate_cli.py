@@ -4,12 +4,10 @@ that finds the fake libnvidia-ml.so.1 through LD_LIBRARY_PATH."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from console import fdl_prepare
 from nvml_fixtures import (
     DRIVER_NOT_LOADED,
     GPU_IS_LOST,
@@ -21,16 +19,6 @@ from nvml_fixtures import (
 )
 
 
-def _console_script() -> str:
-    beside = Path(sys.executable).parent / "fdl-prepare"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("fdl-prepare")
-    if found is None:
-        pytest.skip("the fdl-prepare console script is not installed (pip install -e .)")
-    return found
-
-
 def _base() -> dict[str, str]:
     env = no_driver_env()
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -39,9 +27,7 @@ def _base() -> dict[str, str]:
 
 
 def gpus(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [_console_script(), "gpus", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+    return fdl_prepare(env, "gpus", *args)
 
 
 def test_gpus_prints_a_table_of_the_cards(fake_nvml):
