@@ -341,6 +341,26 @@ def test_a_read_only_data_path_is_normal_not_a_fault(tmpfs: object) -> None:
     assert data.ensure_root(_spec(data_path=str(root)), []) == str(root)
 
 
+def _ensure_root_without_dac_override(spec: str) -> tuple[str, str]:
+    """Run the data step on `spec` (Python source for a PrepareSpec) in a
+    child that is root without the capabilities overriding permissions, so
+    the kernel's own EACCES is met; return the Fail's kind and message."""
+    code = (
+        "from prepare import data\n"
+        "from prepare.spec import DataSpec, PrepareSpec, SshSpec\n"
+        "from prepare.fail import Fail\n"
+        f"spec = {spec}\n"
+        "try:\n    data.ensure_root(spec, [])\nexcept Fail as f:\n    print(f.kind); print(f.message)\n"
+    )
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kind, message = done.stdout.split("\n", 1)
+    return kind, message
+
+
 def test_an_unreadable_data_path_is_permanent_when_the_kernel_refuses_the_listing(tmp_path: Path) -> None:
     # Root lists anything, so the check runs as root without the two
     # capabilities that override file permissions, against a directory that
@@ -354,19 +374,7 @@ def test_an_unreadable_data_path_is_permanent_when_the_kernel_refuses_the_listin
     root.mkdir(mode=0o700)
     (root / "x").write_text("x")
     os.chown(root, 65534, 65534)
-    code = (
-        "from prepare import data\n"
-        "from prepare.spec import DataSpec, PrepareSpec\n"
-        "from prepare.fail import Fail\n"
-        f"spec = PrepareSpec(data=DataSpec(data_path={str(root)!r}))\n"
-        "try:\n    data.ensure_root(spec, [])\nexcept Fail as f:\n    print(f.kind); print(f.message)\n"
-    )
-    done = subprocess.run(
-        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    kind, message = done.stdout.split("\n", 1)
+    kind, message = _ensure_root_without_dac_override(f"PrepareSpec(data=DataSpec(data_path={str(root)!r}))")
     assert kind == "permanent"
     assert "cannot be listed" in message and "Permission denied" in message
     assert "`data_path`" in message
@@ -653,20 +661,10 @@ def test_an_identity_file_the_user_cannot_read_is_permanent(
     os.chown(key, 65534, 65534)
     point = tmp_path / "never-made"
     forget_mount_lock_of(point)
-    code = (
-        "from prepare import data\n"
-        "from prepare.spec import DataSpec, PrepareSpec, SshSpec\n"
-        "from prepare.fail import Fail\n"
-        f"spec = PrepareSpec(data=DataSpec(data_path={str(point)!r}, data_source={sshd.source(remote_tree)!r}),\n"
-        f"    ssh=SshSpec(identity_file={str(key)!r}, options={sshd.options!r}))\n"
-        "try:\n    data.ensure_root(spec, [])\nexcept Fail as f:\n    print(f.kind); print(f.message)\n"
+    kind, message = _ensure_root_without_dac_override(
+        f"PrepareSpec(data=DataSpec(data_path={str(point)!r}, data_source={sshd.source(remote_tree)!r}), "
+        f"ssh=SshSpec(identity_file={str(key)!r}, options={sshd.options!r}))"
     )
-    done = subprocess.run(
-        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    kind, message = done.stdout.split("\n", 1)
     assert kind == "permanent", message
     assert "Permission denied (EACCES)" in message
     assert str(key) in message and "--identity-file" in message
