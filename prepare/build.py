@@ -336,6 +336,14 @@ def build(
 
     state = _ensure_state_dir(spec)
     step = _Phases(progress)
+    base_env = os.environ if env is None else env
+    tmpdir = nix_mod.build_tmpdir(base_env)
+    if tmpdir is not None:
+        notes.append(
+            f"TMPDIR {base_env.get('TMPDIR', '/tmp')!r} cannot be entered by Nix's build users (a single-user Nix "
+            f"as root builds there as them): nix builds under {tmpdir} instead"
+        )
+        env = {**base_env, "TMPDIR": tmpdir}
     nix = nix_mod.Nix(state, program=nix_program, env=env, on_event=progress)
     nix.check_version()
     system = nix_mod.system()
@@ -397,6 +405,7 @@ def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step:
             out_link=out_link,
             overrides=overrides,
             timeout_s=spec.build_timeout_s,
+            source_path=fetched.store_path if fetched is not None else None,
             doing=(f"building libtorch {variant.label}" + (f" and the training binary from {source.from_!r}"
                                                           if source is not None else "")),
         )

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import re
+import stat
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -307,13 +308,39 @@ _DAEMON = (
     r"cannot connect to socket at|cannot connect to daemon|error (reading from|writing to) daemon|"
     r"cannot open connection to remote store '(daemon|unix:[^']*)'|daemon-socket/socket"
 )
+# The daemon is there and says no to this user: the socket's permissions
+# (Debian's nix-setup-systemd lets only the nix-users group in) or its
+# allowed-users. Seen the same on 2.8 and 2.26; no retry changes group
+# membership, so unlike an absent daemon it must stop a persist loop.
+_DAEMON_REFUSED = (
+    r"cannot connect to socket at '[^']*': permission denied|is not allowed to connect to the nix daemon"
+)
+# Nix builds as the members of build-users-group and that group does not
+# exist: Debian's nix-bin without its recommended nix-setup-systemd (2.8 and
+# 2.26 word it the same). Every build fails until the installation is fixed.
+_BUILD_USERS = r"the group '[^']*' specified in 'build-users-group' does not exist"
+# The build users cannot enter the directory Nix builds in (a single-user
+# Nix as root builds under its TMPDIR, e.g. libpam-tmpdir's /tmp/user/0 at
+# 0700). The runner gives Nix an enterable TMPDIR, so this is what is left
+# when the builds go through a daemon whose own TMPDIR is like that.
+_BUILD_DIR = r"nix-build-[^\s'/]*\.drv-\d+[^\n]*(permission denied|can't cd)|can't cd to [^\n]*/nix-build-"
 # A flake URL Nix cannot parse (source.from, flake, or an input the flake
 # declares): no retry parses it, so it must stop a persist loop. Checked
 # before the fetch fallback, which would call any error in a fetch transient.
 _BAD_URL = (
     r"is not a valid URL|\bURL '[^']*' is invalid|input '[^']*' is unsupported|has wrong length for hash type|"
     r"invalid SRI hash|is not SRI|invalid base-(16|32|64) hash|unexpected fragment '|should not have an authority|"
-    r"has unexpected authority|has unsupported parameter|invalid Git branch/tag name"
+    r"has unexpected authority|has unsupported parameter|invalid Git branch/tag name|"
+    # 2.26 says "hash algorithm" where 2.8 says "hash type".
+    r"has wrong length for hash algorithm|"
+    # 2.26 reads file:///x as an archive to open; 2.8 refuses it outright
+    # ("input 'file:///x' is unsupported").
+    r"could not read a file:// file|"
+    # 2.26 (not 2.8) takes a string it cannot parse as a URL for a path
+    # relative to the working directory, so the refusal names
+    # "<cwd>/github:a" or "<cwd>/path:/tmp/a b": a path component that
+    # carries a URL scheme.
+    r"getting status of '[^']*/[a-z][a-z0-9+.-]*:[^']*': no such file or directory"
 )
 _TIMEOUT = r"timed out after \d+ seconds"
 _BUILDER = (
@@ -337,7 +364,9 @@ def _pattern(source: str) -> re.Pattern[str]:
 
 @dataclass(frozen=True)
 class Diagnosis:
-    category: str  # hash-mismatch, no-space, store-permission, daemon, timeout, builder, bad-url, fetch, evaluation, unknown
+    # hash-mismatch, no-space, build-users, daemon-refused, store-permission, build-dir, daemon, timeout,
+    # builder, flake-builder, bad-url, fetch, evaluation, unknown
+    category: str
     permanent: bool
     detail: str
 
@@ -350,6 +379,10 @@ def _store_permission(text: str) -> bool:
         ):
             return True
     return False
+
+
+def _build_logs(log: Log) -> str:
+    return "\n".join(line for act in log.builds() for line in act.log)
 
 
 def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
@@ -368,8 +401,14 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
         return Diagnosis("hash-mismatch", True, detail)
     if _pattern(_NO_SPACE).search(text):
         return Diagnosis("no-space", True, detail)
+    if _pattern(_BUILD_USERS).search(text):
+        return Diagnosis("build-users", True, detail)
+    if _pattern(_DAEMON_REFUSED).search(text):
+        return Diagnosis("daemon-refused", True, detail)
     if _store_permission(text):
         return Diagnosis("store-permission", True, detail)
+    if _pattern(_BUILD_DIR).search(text) or _pattern(_BUILD_DIR).search(_build_logs(log)):
+        return Diagnosis("build-dir", True, detail)
     if _pattern(_DAEMON).search(text):
         return Diagnosis("daemon", False, detail)
     if _pattern(_TIMEOUT).search(text):
@@ -398,11 +437,27 @@ _FIXES = {
                 "or grow the disk, then run again",
     "store-permission": "this user cannot write the Nix store: run as the store's owner (root on a single-user "
                         "install) or through the daemon (NIX_REMOTE=daemon, with nix-daemon running)",
-    "daemon": "the Nix daemon is not reachable: `sudo systemctl start nix-daemon.socket nix-daemon`; "
-              "the next attempt retries",
+    "build-users": "this is the Nix installation, not the flake: Nix builds as the members of its "
+                   "build-users-group, and that group does not exist. On Debian/Ubuntu install the package that "
+                   "creates it and the nixbld users: `sudo apt-get install nix-setup-systemd` (scripts/setup does); "
+                   "elsewhere create the group and its users as the Nix manual's multi-user installation says",
+    "daemon-refused": "this is the Nix installation, not the flake: the Nix daemon refuses this user. On "
+                      "Debian/Ubuntu add it to the nix-users group (`sudo usermod -aG nix-users $USER`, then log in "
+                      "again); elsewhere add it to allowed-users in /etc/nix/nix.conf and restart nix-daemon",
+    "build-dir": "this is the Nix installation, not the flake or the training source: Nix's build users cannot "
+                 "enter the directory builds run in (the TMPDIR of whoever runs the builds: nix-daemon's, or this "
+                 "process's for a single-user Nix). Make it enterable (`chmod 755`, or `chmod 1777` like /tmp), or "
+                 "point TMPDIR at one that is",
+    "daemon": "this is the Nix installation, not the flake: the Nix daemon is not reachable. Start it: "
+              "`sudo systemctl start nix-daemon.socket nix-daemon` (Debian/Ubuntu: it comes with "
+              "`sudo apt-get install nix-setup-systemd`); the next attempt retries",
     "timeout": "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
                "slow; the next attempt retries",
     "builder": "the build itself failed: fix the training source and publish again; the next attempt retries",
+    "flake-builder": "a build the flake itself provides failed, not the training build: fix the flake (or "
+                     "its toolchain) and point flake (--flake) at the fixed revision; retrying builds the same "
+                     "thing again. A builder that cannot find its tools (`command not found`, `executing "
+                     "'/bin/sh'`) relies on host programs that Nix's build sandbox (sandbox = true) hides",
     "bad-url": "Nix cannot parse the URL quoted above, and no retry will: correct source.from in [join.source] "
                "(--source) or flake (--flake), whichever it is (or the input the flake declares with it)",
     "fetch": "check the network, the URL and its ref; the next attempt retries",
@@ -419,7 +474,11 @@ def failure(diagnosis: Diagnosis, doing: str, *, fix: str | None = None, extra: 
     the call, and its own fix: an input fetch that fails while the flake is
     evaluated is the network's fault, not the flake's, and says retry."""
     detail = _clip(diagnosis.detail)
-    message = f"{doing} failed: {detail}"
+    # Nix words the same refusal differently across versions (2.26 takes an
+    # unparsable URL for a relative path); the operator and a fleet's log
+    # search get the same words from every version.
+    said = "Nix refused the URL (it is not a valid URL to Nix): " if diagnosis.category == "bad-url" else ""
+    message = f"{doing} failed: {said}{detail}"
     if extra:
         message += f"\n{extra}"
     chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
@@ -622,13 +681,18 @@ class Nix:
         timeout_s: float | None = None,
         doing: str = "building",
         fix: str | None = None,
+        source_path: str | None = None,
     ) -> tuple[list[dict[str, Any]], Log]:
         """`nix build --json` of `installables`, each override an
         `--override-input NAME URL`. Out-links, where asked, are GC roots
         named `<out_link>`, `<out_link>-1`, ... in the order of Nix's JSON
         result, which is not the installables' order (2.8 sorts them: plain
         store paths first, then by derivation path); the JSON says which
-        store path each one holds."""
+        store path each one holds.
+
+        `source_path`, the fetched training source, tells a failed training
+        build (transient: the next publish may fix it) from a failed build of
+        something the flake itself provides (permanent: libtorch, a toolchain)."""
         self._ensure_registry()
         argv = self._common() + ["build", "--json", "--no-write-lock-file", "--no-eval-cache"]
         argv += ["--out-link", out_link] if out_link else ["--no-link"]
@@ -640,16 +704,16 @@ class Nix:
             argv += ["--override-input", name, url]
         argv += list(installables)
         wall = None if timeout_s is None else timeout_s + BUILD_GRACE_S
-        outcome = self._call(argv, wall, doing, BUILD, fix=fix)
+        outcome = self._call(argv, wall, doing, BUILD, fix=fix, source_path=source_path)
         try:
-            results = json.loads(outcome.completed.stdout)
-        except ValueError:
-            raise transient(f"{doing}: nix build printed no JSON result ({outcome.completed.stdout[:200]!r}); "
-                            "the next attempt retries") from None
-        return list(results), outcome.log
+            results = [build_result(r) for r in json.loads(outcome.completed.stdout)]
+        except (ValueError, TypeError):
+            raise transient(f"{doing}: nix build printed no JSON result of a known shape "
+                            f"({outcome.completed.stdout[:200]!r}); the next attempt retries") from None
+        return results, outcome.log
 
     def _call(self, argv: list[str], timeout: float | None, doing: str, phase: str, *,
-              fix: str | None = None) -> Outcome:
+              fix: str | None = None, source_path: str | None = None) -> Outcome:
         log = Log(self.on_event)
         try:
             completed = self._run(argv, timeout, log)
@@ -664,7 +728,9 @@ class Nix:
         if not outcome.ok:
             diagnosis = diagnose(phase, log, completed.returncode)
             extra = ""
-            if diagnosis.category in ("builder", "timeout"):
+            if diagnosis.category == "builder" and not _builds_from(log.failed_build(), source_path):
+                diagnosis = Diagnosis("flake-builder", True, diagnosis.detail)
+            if diagnosis.category in ("builder", "flake-builder", "timeout"):
                 failed = log.failed_build()
                 if failed is not None and failed.log:
                     extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
@@ -674,6 +740,86 @@ class Nix:
                 extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
             raise failure(diagnosis, doing, fix=fix, extra=extra)
         return outcome
+
+
+def _enterable_by_others(path: str) -> bool:
+    """Whether a user with no particular rights can reach into `path`:
+    every directory on the way must grant others search (x)."""
+    current = os.path.realpath(path)
+    while True:
+        try:
+            st = os.stat(current)
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(current)
+        if parent == current:
+            return True
+        current = parent
+
+
+def build_tmpdir(env: Mapping[str, str]) -> str | None:
+    """A TMPDIR for nix children in which Nix's build users can build, or
+    None to leave TMPDIR as it is.
+
+    A single-user Nix run as root builds in `$TMPDIR/nix-build-*`, as the
+    nixbld users, who must be able to enter it; libpam-tmpdir hands root
+    `/tmp/user/0` at 0700, and every build then fails with "Permission
+    denied" although nothing is wrong with the flake or the source. Rather
+    than refuse such a box, Nix gets the box's shared temporary directory,
+    which is made for exactly this. Other users build as themselves or
+    through the daemon (whose own TMPDIR counts), so only root needs it."""
+    if os.geteuid() != 0:
+        return None
+    current = env.get("TMPDIR") or "/tmp"
+    if _enterable_by_others(current):
+        return None
+    for candidate in ("/tmp", "/var/tmp"):
+        if _enterable_by_others(candidate):
+            return candidate
+    raise permanent(
+        f"Nix's build users (nixbld) cannot enter TMPDIR={current!r}, nor /tmp or /var/tmp: a single-user Nix run "
+        "as root builds there as those users, so every build would fail with \"Permission denied\". This is the "
+        "box's setup, not the flake: make one of them enterable (`chmod 1777 /tmp`), or set TMPDIR to a "
+        "directory every user can enter"
+    )
+
+
+def build_result(raw: Any) -> dict[str, Any]:
+    """One entry of `nix build --json`, in one shape for every version: a
+    derivation's `{"drvPath", "outputs": {name: path}}`, or `{"path"}` for
+    an installable that is already a store path. 2.8 writes the latter as
+    `{"path": ...}`, 2.26 as a bare string; later versions add fields
+    (`startTime`, `stopTime`, ...), which are kept and never required."""
+    if isinstance(raw, str) and raw.startswith("/"):
+        return {"path": raw}
+    if isinstance(raw, dict):
+        outputs = raw.get("outputs")
+        if isinstance(raw.get("drvPath"), str) and isinstance(outputs, dict) and outputs \
+                and all(isinstance(v, str) for v in outputs.values()):
+            return raw
+        if isinstance(raw.get("path"), str):
+            return raw
+    raise ValueError(f"not a build result: {raw!r}")
+
+
+def _builds_from(act: Activity | None, source_path: str | None) -> bool:
+    """Whether the failed build is the training source's: its derivation
+    names the fetched source tree (as `src`, or through a vendoring step that
+    reads it). Anything else that failed (libtorch, the flake's toolchain)
+    is the flake's. When that cannot be told, the training build is blamed,
+    as before the distinction existed: it is the one that changes."""
+    if source_path is None:
+        return False
+    drv = act.fields[0] if act is not None and act.fields else None
+    if not isinstance(drv, str) or not drv.endswith(".drv"):
+        return True
+    try:
+        with open(drv, "rb") as handle:
+            return source_path.encode() in handle.read()
+    except OSError:
+        return True
 
 
 def parse_nix_version(text: str) -> tuple[int, int, int] | None:

@@ -1,8 +1,10 @@
 """Evaluating nix/module.nix with nixpkgs' real `lib` and real Nix.
 
-The lib comes from a local copy of nix-community/nixpkgs.lib named by
-NIXPKGS_LIB (the `lib` directory itself; never committed). Without it, or
-without `nix-instantiate`, the tests that need it skip and say why.
+The lib comes from the pinned copy of nix-community/nixpkgs.lib (MIT) that
+the project keeps beside the repository, `../shared/vendor/nixpkgs.lib/lib`,
+or from NIXPKGS_LIB (the `lib` directory itself) where set; it is never
+committed. Without either, or without `nix-instantiate`, the tests that
+need it skip and say why.
 
 tests/module_eval.nix holds the stand-ins for the NixOS options the module
 sets; its packages live under a per-test fake root, where this fixture
@@ -150,17 +152,26 @@ class EvalError(Exception):
     """nix-instantiate refused the configuration (a type error, a throw)."""
 
 
-@pytest.fixture(scope="session")
-def module_nixpkgs_lib() -> Path:
-    value = os.environ.get("NIXPKGS_LIB")
-    if not value:
-        pytest.skip(
-            "NIXPKGS_LIB is not set: point it at the lib/ directory of a nix-community/nixpkgs.lib "
-            "checkout to evaluate the NixOS module"
-        )
+VENDORED_LIB = Path(__file__).resolve().parent.parent.parent / "shared" / "vendor" / "nixpkgs.lib" / "lib"
+
+
+def nixpkgs_lib() -> Path:
+    """nixpkgs' lib/ for evaluating Nix code that needs it: NIXPKGS_LIB,
+    else the pinned copy beside the repository; skips when neither is one."""
+    value = os.environ.get("NIXPKGS_LIB") or str(VENDORED_LIB)
     lib = Path(value)
     if not (lib / "default.nix").is_file():
-        pytest.skip(f"NIXPKGS_LIB={value} has no default.nix: it must name nixpkgs' lib/ directory")
+        pytest.skip(
+            f"no nixpkgs lib at {value}: the pinned copy of nix-community/nixpkgs.lib is expected at "
+            "../shared/vendor/nixpkgs.lib/lib beside the repository; or set NIXPKGS_LIB to the lib/ directory of "
+            "a checkout"
+        )
+    return lib
+
+
+@pytest.fixture(scope="session")
+def module_nixpkgs_lib() -> Path:
+    lib = nixpkgs_lib()
     if shutil.which("nix-instantiate") is None:
         pytest.skip("nix-instantiate is not installed (apt install nix-bin)")
     return lib

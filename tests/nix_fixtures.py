@@ -59,6 +59,23 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def sandbox_paths() -> str:
+    """What the test flake's builders need from the host inside Nix's build
+    sandbox (tests/flake/toolchain.nix): a shell, /usr's tools and the
+    dynamic loader and libraries they link. On a merged-/usr system /bin,
+    /lib and /lib64 are links into /usr; elsewhere /bin is lent whole."""
+    paths = []
+    if os.path.islink("/bin"):
+        paths.append(f"/bin/sh={os.path.realpath('/bin/sh')}")
+    else:
+        paths.append("/bin")
+    paths.append("/usr")
+    paths += [p for p in ("/lib", "/lib64") if os.path.lexists(p)]
+    return " ".join(paths)
+
+
 NIX_CONFIG = "\n".join(
     [
         "experimental-features = nix-command flakes",
@@ -66,6 +83,9 @@ NIX_CONFIG = "\n".join(
         # A refused download is retried with backoff (about 5 s in all); one
         # attempt is enough to show it fails.
         "download-attempts = 1",
+        # Ignored where the sandbox is off (Debian 12); where it is on
+        # (Debian 13, NixOS) the test flake's host-tool builders need it.
+        f"extra-sandbox-paths = {sandbox_paths()}",
         "",
     ]
 )

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+import module_fixtures
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -40,11 +42,10 @@ FLAGS = ["--extra-experimental-features", "nix-command flakes", "--no-eval-cache
 @pytest.fixture
 def env(nix_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
     """nix_env plus a local, empty flake registry (Nix 2.8 would otherwise
-    download the global one) and no sandbox (the test toolchain runs the
-    host's /bin/sh)."""
+    download the global one)."""
     registry = tmp_path / "registry.json"
     registry.write_text('{"flakes":[],"version":2}')
-    config = nix_env.get("NIX_CONFIG", "") + f"\nflake-registry = {registry}\nsandbox = false\n"
+    config = nix_env.get("NIX_CONFIG", "") + f"\nflake-registry = {registry}\n"
     return {**nix_env, "NIX_CONFIG": config}
 
 
@@ -290,15 +291,9 @@ def standin(tmp_path: Path, default_nix: str, lib: Path | None = None) -> str:
     return f"path:{dest}"
 
 
-@pytest.fixture
-def nixpkgs_lib() -> Path:
-    value = os.environ.get("NIXPKGS_LIB")
-    if not value:
-        pytest.skip("NIXPKGS_LIB is not set: point it at the lib/ directory of a nix-community/nixpkgs.lib checkout")
-    lib = Path(value)
-    if not (lib / "default.nix").is_file():
-        pytest.skip(f"NIXPKGS_LIB={value} has no default.nix: it must name nixpkgs' lib/ directory")
-    return lib
+@pytest.fixture(name="nixpkgs_lib")
+def nixpkgs_lib_fixture() -> Path:
+    return module_fixtures.nixpkgs_lib()
 
 
 @pytest.fixture

@@ -1,8 +1,14 @@
 # A toolchain without nixpkgs, for the test flake: the same interface as
 # nix/nixpkgs.nix, built from the host's /bin/sh and /usr/bin tools.
 #
-# Needs `sandbox = false` (Debian's nix-bin default) or `relaxed`: the
-# builders run the host's shell and coreutils, which a sandbox hides.
+# The builders run the host's shell and coreutils. Without a sandbox
+# (Debian 12's nix-bin) they simply see them; with one (Debian 13 and NixOS
+# ship `sandbox = true`) the host must lend them to the sandbox, as the
+# tests and scripts/demo do:
+#   extra-sandbox-paths = /bin/sh=<the real /bin/sh> /usr /lib /lib64
+# (tests/nix_fixtures.py `sandbox_paths`). Without that, every build here
+# fails with "mkdir: command not found", which fdl-prepare names as the
+# flake's failure, not the training source's.
 { system }:
 let
   sh = "/bin/sh";
