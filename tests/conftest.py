@@ -3,3 +3,9 @@
 pytest_plugins: list[str] = ["mount_fixtures", "sshd_fixtures", "nvml_fixtures"]
 pytest_plugins.append("module_fixtures")
 pytest_plugins.append("nix_fixtures")
+
+
+def pytest_sessionfinish(session: object, exitstatus: int) -> None:
+    import other_user
+
+    other_user.remove_readable_package()

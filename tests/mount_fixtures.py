@@ -9,15 +9,20 @@ either is missing the test is skipped with the reason.
     def test_x(tmpfs):
         ro = tmpfs(read_only=True, populate=lambda p: (p / "d").mkdir())
         full = tmpfs(size="64k", full=True)
+
+`disk_dir` is the opposite: a directory on a disk-backed filesystem, for
+tests that must not see a tmpfs where a box's /tmp happens to be one.
 """
 
 from __future__ import annotations
 
-import errno
 import contextlib
+import errno
 import os
+import shutil
 import subprocess
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -119,3 +124,29 @@ def tiny_tmpfs(tmpfs: Callable[..., Path]) -> Path:
 def full_tmpfs(tmpfs: Callable[..., Path]) -> Path:
     """Filled until the kernel answers ENOSPC."""
     return tmpfs(TINY, full=True)
+
+
+def _on_disk(path: Path) -> bool:
+    from prepare import dirs, mounts
+
+    mount = mounts.containing(str(path))
+    return mount is not None and mount.fstype not in dirs.RAM_FILESYSTEMS
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory on a disk-backed filesystem. pytest's temp dir is
+    one on Debian 12, but a tmpfs on Debian 13 (and wherever /tmp is), so
+    the tests that need a disk make one: /var/tmp, else beside the checkout."""
+    if _on_disk(tmp_path):
+        yield tmp_path
+        return
+    for base in (Path("/var/tmp"), Path(__file__).resolve().parent.parent):
+        if base.is_dir() and _on_disk(base):
+            path = Path(tempfile.mkdtemp(prefix="fdl-disk-", dir=base))
+            try:
+                yield path
+            finally:
+                shutil.rmtree(path, ignore_errors=True)
+            return
+    pytest.skip("no disk-backed directory here: /tmp, /var/tmp and the checkout are all on RAM filesystems")

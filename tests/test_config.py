@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import other_user
 from prepare import config
 from prepare.fail import Fail
 from prepare.spec import DataSpec, PrepareSpec, SourceSpec, SshSpec
@@ -251,19 +252,8 @@ def test_a_file_this_user_may_not_read_is_permanent_not_a_traceback():
             "except Fail as f:\n"
             "    print(f.kind + ': ' + f.message)\n"
         )
-        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(config.__file__).resolve().parent.parent)}
-        for python in (sys.executable, "/usr/bin/python3"):
-            try:
-                done = subprocess.run(
-                    [python, "-c", code], env=env, user=uid, group=uid, extra_groups=[], cwd="/",
-                    capture_output=True, text=True, timeout=60, check=False,
-                )
-            except OSError:
-                continue
-            if done.returncode == 0:
-                break
-        else:
-            pytest.skip(f"no Python interpreter that uid {uid} may run")
+        done = other_user.run_as(uid, code)
+        assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"permanent: config {path} cannot be read"), done.stdout + done.stderr
         assert "EACCES" in done.stdout and f"sudo chmod a+r {path}" in done.stdout
     finally:

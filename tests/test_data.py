@@ -353,7 +353,11 @@ def _ensure_root_without_dac_override(spec: str) -> tuple[str, str]:
         "try:\n    data.ensure_root(spec, [])\nexcept Fail as f:\n    print(f.kind); print(f.message)\n"
     )
     done = subprocess.run(
-        ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--", sys.executable, "-c", code],
+        # Out of every set a child could regain them from: a container
+        # (systemd-nspawn) hands root inheritable and ambient capabilities.
+        ["setpriv", "--inh-caps", "-dac_override,-dac_read_search", "--ambient-caps",
+         "-dac_override,-dac_read_search", "--bounding-set", "-dac_override,-dac_read_search", "--",
+         sys.executable, "-c", code],
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import other_user
 from prepare import dirs, mounts
 from prepare.fail import Fail
 
@@ -30,10 +31,11 @@ def probes(directory: Path) -> list[str]:
 
 
 @pytest.fixture
-def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """A HOME and a TMPDIR of the test's own, on the disk under pytest's temp dir."""
-    home = tmp_path / "home"
-    stage = tmp_path / "stage"
+def box(disk_dir: Path, monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """A HOME and a TMPDIR of the test's own, on a disk (not a tmpfs, which
+    would add RAM notes of its own)."""
+    home = disk_dir / "home"
+    stage = disk_dir / "stage"
     home.mkdir()
     stage.mkdir()
     monkeypatch.setenv("HOME", str(home))
@@ -49,30 +51,9 @@ def check_failing(notes: list[str] | None = None) -> Fail:
     return caught.value
 
 
-def _python_for(uid: int) -> str | None:
-    """An interpreter `uid` may execute (a pyenv under /root is not one).
-    The package needs nothing outside the standard library for this step,
-    so any Python 3.10+ with the source tree on PYTHONPATH will do."""
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        try:
-            done = subprocess.run(
-                [candidate, "-c", "import sys; assert sys.version_info >= (3, 10)"],
-                user=uid, group=uid, extra_groups=[], cwd="/",
-                capture_output=True, timeout=30, check=False,
-            )
-        except OSError:
-            continue
-        if done.returncode == 0:
-            return candidate
-    return None
-
-
 def as_user(uid: int, env: dict[str, str]) -> dict:
     """Run dirs.check in a child process as `uid`: permission checks that
     root skips are only real for someone else."""
-    python = _python_for(uid)
-    if python is None:
-        pytest.skip(f"no Python interpreter that uid {uid} may execute")
     code = (
         "import json\n"
         "from prepare import dirs\n"
@@ -84,24 +65,7 @@ def as_user(uid: int, env: dict[str, str]) -> dict:
         "except Fail as f:\n"
         "    print(json.dumps({'kind': f.kind, 'message': f.message}))\n"
     )
-    base = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "PYTHONPATH": str(Path(dirs.__file__).resolve().parent.parent),
-    }
-    done = subprocess.run(
-        [python, "-c", code],
-        env={**base, **env},
-        user=uid,
-        group=uid,
-        extra_groups=[],
-        cwd="/",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    if done.returncode != 0 and "ModuleNotFoundError" in done.stderr:
-        pytest.skip(f"uid {uid} cannot read the package source: {done.stderr.strip()[-200:]}")
+    done = other_user.run_as(uid, code, {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -138,8 +102,7 @@ def test_checking_twice_is_idempotent(box):
 
 def test_a_disk_backed_home_and_stage_get_no_ram_note(box):
     mount = mounts.containing(str(box.stage))
-    if mount is None or mount.fstype in dirs.RAM_FILESYSTEMS:
-        pytest.skip(f"pytest's temp dir is not disk-backed here ({mount})")
+    assert mount is not None and mount.fstype not in dirs.RAM_FILESYSTEMS, mount
     notes: list[str] = []
     dirs.check(notes)
     assert not any("spend RAM" in n for n in notes), notes

@@ -241,6 +241,15 @@ RECORDED = [
     (BUILD, "could not set permissions on '/nix/var/nix/profiles/per-user' to 755: Operation not permitted", "store-permission", True),
     (BUILD, "opening lock file '/nix/var/nix/db/big-lock': Permission denied", "store-permission", True),
     (BUILD, "fdl-prepare flake: recipe.json has no `bin`", "evaluation", True),
+    # Nix's own installation (2.8 and 2.26 word these the same)
+    (BUILD, "the group 'nixbld' specified in 'build-users-group' does not exist", "build-users", True),
+    (EVALUATION, "cannot connect to socket at '/nix/var/nix/daemon-socket/socket': Permission denied",
+     "daemon-refused", True),
+    (BUILD, "cannot open connection to remote store 'daemon': error: user 'ci' is not allowed to connect to the Nix "
+            "daemon", "daemon-refused", True),
+    (BUILD, "cp: cannot stat '/tmp/user/0/nix-build-train.drv-0/source': Permission denied", "build-dir", True),
+    # A path that merely does not exist is not a URL Nix refused.
+    (FETCH, "getting status of '/srv/train/data': No such file or directory", "fetch", False),
 ]
 
 
@@ -442,11 +451,13 @@ def _unparsable_sources(tmp_path: Path) -> list[tuple[str, str]]:
     tree = tmp_path / "tree"
     tree.mkdir(exist_ok=True)
     (tree / ".fdl-run.toml").write_text('bin = "train"\n')
+    # What Nix says, by version where they differ: 2.8 refuses file:///x
+    # as unsupported, 2.26 tries to open it as an archive.
     return [
-        ("file:///x", "is unsupported"),
-        ("sshfs://x/y", "is unsupported"),
-        (f"path:{tree}?rev=zzz", "has wrong length"),
-        (f"path:{tree}?narHash=sha256-AAAA", "invalid SRI hash"),
+        ("file:///x", ("is unsupported", "Could not read a file:// file")),
+        ("sshfs://x/y", ("is unsupported",)),
+        (f"path:{tree}?rev=zzz", ("has wrong length",)),
+        (f"path:{tree}?narHash=sha256-AAAA", ("invalid SRI hash",)),
     ]
 
 
@@ -459,7 +470,8 @@ def test_a_source_url_nix_cannot_parse_is_permanent_and_names_source_from(nix_en
     with pytest.raises(Fail) as caught:
         build(spec, None, [], progress=events.append)
     assert caught.value.permanent
-    assert said in caught.value.message and url in caught.value.message
+    assert any(words in caught.value.message for words in said) and url in caught.value.message
+    assert "is not a valid URL" in caught.value.message
     fix = caught.value.message.split("Fix:")[1]
     assert "source.from" in fix and "--source" in fix and "--flake" in fix
     assert "retries" not in fix
@@ -492,6 +504,12 @@ def test_nix_refusing_a_url_with_a_space_is_permanent(nix_env, tmp_path):
         "path URL 'path:/x?x=1' has unsupported parameter 'x'",
         "invalid Git branch/tag name 'ma in'",
         "unexpected fragment 'x' in flake reference 'path:/x#x'",
+        # 2.26's words for the same refusals
+        "hash 'zzz' has wrong length for hash algorithm 'sha1'",
+        "getting status of '/srv/cwd/github:a': No such file or directory",
+        "getting status of '/srv/cwd/path:/tmp/a src': No such file or directory",
+        "Failed to open archive (Source threw exception: error: unable to download 'file:///x': Could not read a "
+        "file:// file (37) Couldn't open file /x)",
     ],
 )
 def test_every_nix_refusal_to_parse_a_url_is_permanent_in_any_phase(text):

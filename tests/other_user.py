@@ -1,0 +1,66 @@
+"""Running a piece of the package as another user, on any box.
+
+Permission checks that root skips are only real for someone else, so some
+tests run a child as a uid with no rights. That child must be able to
+execute an interpreter and read the package: a virtual environment or a
+checkout under a 0700 home (/root on Debian) is neither, so the package
+source is copied once per session into a directory every user may read,
+and the interpreter is the first of the candidates that uid may execute.
+The steps run this way need nothing outside the standard library.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "prepare"
+
+
+@cache
+def readable_package_root() -> str:
+    """A PYTHONPATH entry holding a copy of `prepare/` that any uid may read."""
+    root = Path(tempfile.mkdtemp(prefix="fdl-readable-"))
+    root.chmod(0o755)
+    shutil.copytree(PACKAGE, root / "prepare", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in root.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return str(root)
+
+
+def remove_readable_package() -> None:
+    if readable_package_root.cache_info().currsize:
+        shutil.rmtree(readable_package_root(), ignore_errors=True)
+        readable_package_root.cache_clear()
+
+
+def python_for(uid: int) -> str:
+    """An interpreter `uid` may execute (a pyenv or a venv under /root is not one)."""
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            done = subprocess.run(
+                [candidate, "-c", "import sys; assert sys.version_info >= (3, 10)"],
+                user=uid, group=uid, extra_groups=[], cwd="/",
+                capture_output=True, timeout=30, check=False,
+            )  # fmt: skip
+        except OSError:
+            continue
+        if done.returncode == 0:
+            return candidate
+    pytest.skip(f"no Python 3.10+ interpreter that uid {uid} may execute")
+
+
+def run_as(uid: int, code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -c code` as `uid` (no groups), with the readable package copy."""
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": readable_package_root()}
+    return subprocess.run(
+        [python_for(uid), "-c", code],
+        env={**base, **(env or {})}, user=uid, group=uid, extra_groups=[], cwd="/",
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip

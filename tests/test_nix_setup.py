@@ -1,0 +1,256 @@
+"""Nix itself, misconfigured, is named as such, never as a flake or a
+training-source problem; and the shapes Nix versions give the same answer
+in (2.8 on Debian 12, 2.26 on Debian 13). Every case runs real Nix on the
+misconfiguration, except where a comment says what could not be made."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from nix_fixtures import NIX_CONFIG, trainer
+from prepare import nix as nix_mod
+from prepare.build import build
+from prepare.fail import Fail
+from prepare.nix import Nix, build_result
+from prepare.spec import PrepareSpec, SourceSpec
+
+pytestmark = pytest.mark.nix
+
+
+def _root_only() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (builds as the nixbld users, switching to another user, mount namespaces)")
+
+
+def _fix(fail: Fail) -> str:
+    return fail.message.split("Fix:")[1]
+
+
+def _nonce() -> str:
+    return f"{time.time_ns()}"
+
+
+def test_a_build_users_group_that_does_not_exist_is_permanent_and_names_the_installation(
+    nix_env, test_flake, git_source, tmp_path, monkeypatch
+):
+    # What Debian's nix-bin without nix-setup-systemd looks like: the
+    # configured group is missing (a fresh training source forces a build).
+    _root_only()
+    monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + "build-users-group = fdl-no-such-group\n")
+    src = git_source(trainer(nonce=_nonce()))
+    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
+                       state_dir=str(tmp_path / "state"))
+    with pytest.raises(Fail) as caught:
+        build(spec, None, [])
+    fail = caught.value
+    assert fail.permanent
+    assert "'fdl-no-such-group' specified in 'build-users-group' does not exist" in fail.message
+    fix = _fix(fail)
+    assert "Nix installation" in fix and "nix-setup-systemd" in fix
+    assert "training source" not in fix and "fix the flake" not in fix
+
+
+def test_a_daemon_socket_this_user_may_not_open_is_permanent_and_names_the_group(nix_env, test_flake, tmp_path):
+    # A real nix-daemon on a socket in a directory only root may enter, and
+    # a client that is another user: the kernel refuses the connect, as it
+    # does on Debian for a user outside nix-users.
+    _root_only()
+    daemon = shutil.which("nix-daemon")
+    if daemon is None or shutil.which("setpriv") is None:
+        pytest.skip("nix-daemon or setpriv (util-linux) is not installed")
+    shared = Path(tempfile.mkdtemp(prefix="fdl-daemon-"))
+    proc = None
+    try:
+        shared.chmod(0o755)
+        private = shared / "private"
+        private.mkdir(mode=0o700)
+        sock = private / "socket"
+        proc = subprocess.Popen([daemon], env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "nix-daemon never opened its socket"
+            time.sleep(0.05)
+        home = shared / "home"
+        home.mkdir()
+        os.chown(home, 54321, 54321)
+        shim = shared / "nix"
+        shim.write_text(f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=54321 --regid=54321 --clear-groups "
+                        f"{shutil.which('nix')} --store unix://{sock} \"$@\"\n")
+        shim.chmod(0o755)
+        flake = shared / "flake"
+        shutil.copytree(test_flake.removeprefix("path:"), flake)
+        for path in [flake, *flake.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        state = shared / "state"
+        state.mkdir()
+        os.chown(state, 54321, 54321)
+        runner = Nix(str(state), program=str(shim))
+        with pytest.raises(Fail) as caught:
+            runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        shutil.rmtree(shared, ignore_errors=True)
+    fail = caught.value
+    assert fail.permanent
+    assert "cannot connect to socket" in fail.message and "Permission denied" in fail.message
+    assert "nix-users" in _fix(fail) and "Nix installation" in _fix(fail)
+
+
+def test_a_stage_the_build_users_cannot_enter_still_builds(nix_env, test_flake, git_source, tmp_path, monkeypatch):
+    # libpam-tmpdir gives root TMPDIR=/tmp/user/0 at 0700; a single-user Nix
+    # as root builds there as the nixbld users, who cannot enter it.
+    _root_only()
+    stage = Path(tempfile.mkdtemp(prefix="fdl-private-stage-"))
+    try:
+        stage.chmod(0o700)
+        monkeypatch.setenv("TMPDIR", str(stage))
+        src = git_source(trainer(nonce=_nonce()))
+        notes: list[str] = []
+        spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
+                           state_dir=str(tmp_path / "state"))
+        got = build(spec, None, notes)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    assert got.bin is not None and os.access(got.bin.path, os.X_OK)
+    assert any(f"TMPDIR {str(stage)!r} cannot be entered by Nix's build users" in n and "/tmp" in n for n in notes)
+
+
+def test_an_enterable_stage_is_left_as_it_is():
+    assert nix_mod.build_tmpdir({"TMPDIR": "/tmp"}) is None
+    if os.geteuid() != 0:
+        # Other users build as themselves or through the daemon.
+        assert nix_mod.build_tmpdir({"TMPDIR": "/nonexistent"}) is None
+
+
+_NO_ENTERABLE_TMP = """
+import os, subprocess, sys
+for d in ("/tmp", "/var/tmp"):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "tmpfs", d], check=True)
+from prepare import nix
+from prepare.fail import Fail
+try:
+    print(nix.build_tmpdir({"TMPDIR": "/tmp"}))
+except Fail as fail:
+    print(fail.kind)
+    print(fail.message)
+"""
+
+
+def test_a_box_where_no_temporary_directory_is_enterable_is_refused_before_any_build():
+    # In a private mount namespace, /tmp and /var/tmp become 0700 tmpfs
+    # mounts: real kernel permissions, nothing outside the namespace moves.
+    _root_only()
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _NO_ENTERABLE_TMP],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(nix_mod.__file__).resolve().parent.parent)},
+    )  # fmt: skip
+    if done.returncode != 0 and "mount" in done.stderr:
+        pytest.skip(f"cannot make a private mount namespace here: {done.stderr.strip()[-300:]}")
+    assert done.returncode == 0, done.stderr
+    kind, message = done.stdout.split("\n", 1)
+    assert kind == "permanent"
+    assert "cannot enter TMPDIR='/tmp', nor /tmp or /var/tmp" in message and "chmod 1777 /tmp" in message
+
+
+def test_a_flake_build_that_cannot_find_its_tools_in_the_sandbox_blames_the_flake(
+    nix_env, make_flake, tmp_path, monkeypatch
+):
+    # Debian 13 and NixOS build in a sandbox; a builder that runs the host's
+    # mkdir then fails whatever the training source says. The sandbox here
+    # lends a shell and the libraries it links, and none of /usr/bin.
+    _root_only()
+    lent = [f"/bin/sh={os.path.realpath('/bin/sh')}"]
+    lent += [p for p in ("/lib", "/lib64", "/usr/lib", "/usr/lib64") if os.path.lexists(p)]
+    label = f"sbx{_nonce()}"
+    flake = make_flake(extra_nix=f"""toolchain: {{
+  {label} = {{ cuda = null; archs = [ ]; package = toolchain.mkLibtorch {{ label = "{label}"; }}; }};
+}}
+""")
+    monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"sandbox = true\nsandbox-paths = {' '.join(lent)}\n")
+    with pytest.raises(Fail) as caught:
+        build(PrepareSpec(libtorch=label, cpu_only=False, flake=flake, state_dir=str(tmp_path / "state")), None, [])
+    fail = caught.value
+    assert fail.permanent
+    assert f"fdl-test-libtorch-{label}" in fail.message
+    assert "mkdir" in fail.message and "not found" in fail.message
+    fix = _fix(fail)
+    assert "flake" in fix and "sandbox" in fix and "training source" not in fix
+
+
+def test_a_failing_training_build_still_blames_the_training_source(nix_env, test_flake, git_source, tmp_path):
+    src = git_source(trainer(build="echo no compiler here >&2; exit 4", nonce=_nonce()))
+    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
+                       state_dir=str(tmp_path / "state"))
+    with pytest.raises(Fail) as caught:
+        build(spec, None, [])
+    assert not caught.value.permanent
+    assert "fix the training source" in _fix(caught.value)
+
+
+# -- one reading of every version's JSON ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [
+        # 2.8: a store path installable
+        ({"path": "/nix/store/aaaa-src"}, {"path": "/nix/store/aaaa-src"}),
+        # 2.26: the same, as a bare string
+        ("/nix/store/aaaa-src", {"path": "/nix/store/aaaa-src"}),
+        # both: a derivation; later versions add fields, which are kept
+        ({"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1},
+         {"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1}),
+    ],
+)
+def test_a_build_result_reads_the_same_from_every_version(raw, want):
+    assert build_result(raw) == want
+
+
+@pytest.mark.parametrize("raw", [None, 3, "relative", {"drvPath": "/x.drv"}, {"outputs": {"out": 1}}, []])
+def test_a_build_result_of_an_unknown_shape_is_refused(raw):
+    with pytest.raises(ValueError):
+        build_result(raw)
+
+
+def test_an_unknown_shape_from_nix_build_is_a_fail_not_a_traceback(tmp_path):
+    # A stand-in nix that answers the version and prints JSON of a shape no
+    # version has: the one seam where a real Nix cannot be made to do it.
+    fake = tmp_path / "nix"
+    fake.write_text("#!/bin/sh\ncase \"$1\" in --version) echo 'nix (Nix) 2.26.3';; *) echo '[{\"x\": 1}]';; esac\n")
+    fake.chmod(0o755)
+    runner = Nix(str(tmp_path), program=str(fake))
+    with pytest.raises(Fail) as caught:
+        runner.build(["/nix/store/aaaa-x"], out_link=None)
+    assert not caught.value.permanent and "known shape" in caught.value.message
+
+
+def test_a_socket_that_refuses_connections_names_the_daemon_and_how_debian_installs_it(nix_env, test_flake,
+                                                                                      tmp_path, monkeypatch):
+    sock_path = tmp_path / "daemon.sock"
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(sock_path))
+    try:
+        monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = unix://{sock_path}\n")
+        with pytest.raises(Fail) as caught:
+            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None,
+                  [])
+    finally:
+        dead.close()
+    assert not caught.value.permanent
+    fix = _fix(caught.value)
+    assert "Nix installation" in fix and "nix-setup-systemd" in fix and "systemctl start nix-daemon" in fix
