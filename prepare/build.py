@@ -36,7 +36,6 @@ its cwd.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -47,11 +46,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import config, dirs, human
+from prepare import config, dirs, human, locks
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import variants as variants_mod
-from prepare.fail import permanent, transient
+from prepare.fail import permanent
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
 CONTRACT = 1
@@ -141,43 +140,22 @@ def _locked(state: str, wait_s: float, step: Callable[[str, str], None], notes: 
     rewrite the recipe or the out-links under each other. A busy lock is
     said at once (a progress step and a note), then waited for, bounded."""
     path = os.path.join(state, "lock")
-    with open(path, "a+", encoding="utf-8") as handle:
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _wait_for_lock(handle.fileno(), path, wait_s, step, notes)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _wait_for_lock(fd: int, path: str, wait_s: float, step: Callable[[str, str], None], notes: list[str]) -> None:
-    step("wait", f"another fdl-prepare holds {path}; waiting for it (up to {_duration(wait_s)})")
-    start = time.monotonic()
-    deadline = start + wait_s
-    pause = 0.05
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise transient(
-                    f"another fdl-prepare has held {path} for over {_duration(wait_s)} and this one stopped "
-                    f"waiting: it is probably stuck. See who holds it (`fuser -v {path}`, or `systemctl status` "
-                    "of the unit), stop it if it is wedged; the next attempt retries"
-                ) from None
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 1.0)
-    notes.append(f"another fdl-prepare held {path}: waited {time.monotonic() - start:.1f}s for it")
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 3600 and seconds % 3600 == 0:
-        return f"{seconds / 3600:g} h"
-    return f"{seconds:g}s"
+    with locks.held(
+        path,
+        wait_s,
+        cannot_open=lambda err: permanent(
+            f"cannot open the state lock {path}: {human.oserror(err)}; make {state} writable for this user, "
+            "or set state_dir (--state-dir) to a directory it can write"
+        ),
+        stuck=(
+            f"another fdl-prepare has held {path} for over {human.duration(wait_s)} and this one stopped "
+            f"waiting: it is probably stuck. See who holds it (`fuser -v {path}`, or `systemctl status` "
+            "of the unit), stop it if it is wedged; the next attempt retries"
+        ),
+        waiting=lambda line: step("wait", line),
+        notes=notes,
+    ):
+        yield
 
 
 # -- the source URL -----------------------------------------------------------------

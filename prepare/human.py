@@ -17,6 +17,13 @@ def size(n: int | float) -> str:
     raise AssertionError("unreachable: the loop returns at TiB")
 
 
+def duration(seconds: float) -> str:
+    """A bound as an operator set it: whole hours as hours, the rest in seconds."""
+    if seconds >= 3600 and seconds % 3600 == 0:
+        return f"{seconds / 3600:g} h"
+    return f"{seconds:g}s"
+
+
 def oserror(exc: OSError) -> str:
     """`Permission denied (EACCES)`: the text for the operator, the symbol
     for the search engine."""

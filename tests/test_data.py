@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from prepare import data, mounts
-from prepare.data import Source, parse_source, sshfs_argv
+from prepare import data, listing, locks, mount, mounts, sshfs_url
 from prepare.fail import Fail
 from prepare.spec import DataSpec, PrepareSpec, SshSpec
+from prepare.sshfs_url import Source, parse_source, sshfs_argv
 
 pytestmark = pytest.mark.usefixtures("forget_mount_locks")
 
@@ -215,12 +215,12 @@ def test_the_port_comes_from_the_source_not_the_ssh_block() -> None:
 
 def test_ro_and_batchmode_are_always_there_and_last_even_with_no_ssh_block() -> None:
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", None)
-    assert argv == ["sshfs", "exa:/d", "/m"] + [x for o in data.SSHFS_DEFAULTS for x in ("-o", o)] + [
-        "-o", f"ConnectTimeout={data.CONNECT_TIMEOUT_S}",
+    assert argv == ["sshfs", "exa:/d", "/m"] + [x for o in sshfs_url.SSHFS_DEFAULTS for x in ("-o", o)] + [
+        "-o", f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}",
     ]  # fmt: skip
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", SshSpec(options=("rw", "ConnectTimeout=60")))
     assert argv.index("rw") < argv.index("ro")
-    assert argv.index("ConnectTimeout=60") < argv.index(f"ConnectTimeout={data.CONNECT_TIMEOUT_S}")
+    assert argv.index("ConnectTimeout=60") < argv.index(f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}")
     assert argv[-3] == "BatchMode=yes"
 
 
@@ -721,7 +721,7 @@ def silent_listener() -> Iterator[int]:
 def test_a_far_side_that_accepts_and_never_answers_is_reported_by_ssh_at_its_connect_timeout(
     sshd, sshfs_mounts, remote_tree: Path, silent_listener: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "CONNECT_TIMEOUT_S", 1)
+    monkeypatch.setattr(sshfs_url, "CONNECT_TIMEOUT_S", 1)
     point = sshfs_mounts.point()
     start = time.monotonic()
     fail = _fail(sshd.spec(data_source=f"sshfs://root@127.0.0.1:{silent_listener}{remote_tree}", data_path=str(point)))
@@ -737,7 +737,7 @@ def test_sshfs_killed_at_the_mount_timeout_is_transient_and_leaves_no_dead_mount
 ) -> None:
     # The operator's ConnectTimeout comes first and wins, so only our own
     # timeout stops this one. sshfs has put the FUSE mount in place by then.
-    monkeypatch.setattr(data, "MOUNT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(mount, "MOUNT_TIMEOUT_S", 2.0)
     point = sshfs_mounts.point()
     spec = sshd.spec(
         data_source=f"sshfs://root@127.0.0.1:{silent_listener}{remote_tree}",
@@ -940,9 +940,9 @@ def test_a_prepare_waits_for_the_mount_lock_and_then_reuses_what_the_holder_moun
 def test_a_lock_held_past_the_wait_is_transient(
     tmp_path: Path, sshd, remote_tree: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(data, "MOUNT_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(mount, "MOUNT_TIMEOUT_S", 0.0)
     monkeypatch.setattr(data, "LOCK_GRACE_S", 0.3)
-    monkeypatch.setattr(data, "_CHILD_GRACE_S", 0.0)
+    monkeypatch.setattr(listing, "CHILD_GRACE_S", 0.0)
     point = tmp_path / "locked"
     fd = os.open(data.lock_path(str(point)), os.O_RDONLY | os.O_CREAT, 0o644)
     try:
@@ -962,7 +962,7 @@ def test_a_lock_file_root_created_can_be_taken_by_another_user(tmp_path: Path) -
     path = data.lock_path(str(tmp_path / "shared"))
     Path(path).unlink(missing_ok=True)
     # Root creates it, as a root prepare would; nobody then takes it.
-    os.close(data._open_lock(path))
+    os.close(locks.open_lock(path))
     try:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
         done = subprocess.run(

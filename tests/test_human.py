@@ -24,3 +24,8 @@ def test_an_os_error_reads_as_its_text_and_its_symbol():
 
 def test_the_user_is_named_as_chown_takes_it():
     assert human.user() == pwd.getpwuid(os.geteuid()).pw_name
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0.6, "0.6s"), (315.0, "315s"), (3600.0, "1 h"), (21600.0, "6 h"), (5400.0, "5400s")])
+def test_a_duration_reads_in_whole_hours_or_in_seconds(seconds, text):
+    assert human.duration(seconds) == text

@@ -1,0 +1,286 @@
+"""The sshfs mount at `data_path`: made, reused, or repaired.
+
+`establish` runs under the step's mount lock (`prepare.data`), so what it
+finds at the mountpoint is not another prepare's mount in the making. It
+mounts when nothing is there, reuses a mount of the configured source (and
+replaces one whose sshfs process is gone), and leaves anything else alone
+with a note saying how to free the mountpoint.
+
+What an sshfs failure means is read from what it said: ssh refusing its own
+options is this box's configuration (permanent); anything else is the far
+side or the network (transient).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import shlex
+import time
+
+from prepare import human, listing, mounts, proc
+from prepare.fail import Fail, permanent, transient
+from prepare.spec import PrepareSpec, SshSpec
+from prepare.sshfs_url import Source, sshfs_argv
+
+# sshfs returns once its connection is up or has failed; a refused key or a
+# closed port takes milliseconds. This bounds what ConnectTimeout does not:
+# a far side that finishes the handshake and then never answers.
+MOUNT_TIMEOUT_S = 30.0
+
+# A failure slower than this is not asked again verbosely (see _mount).
+QUICK_FAIL_S = 5.0
+
+INSTALL_SSHFS = (
+    "`sudo apt-get install sshfs` (Debian/Ubuntu), or from Nix the `sshfs` attribute "
+    "(`nix profile install nixpkgs#sshfs`; on NixOS add `pkgs.sshfs` to environment.systemPackages)"
+)
+
+
+def establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[str]) -> None:
+    """Leave a listable mount at `mountpoint`: this source's, made or reused,
+    or whatever else was there first (named in a note). The caller holds
+    the mount lock."""
+    existing = mounts.mounted_at(mountpoint)
+    if existing is None:
+        _mount(source, mountpoint, spec.ssh)
+        notes.append(f"mounted `{source.remote}` read-only at {mountpoint}")
+        listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
+        return
+
+    if _same_source(existing, source):
+        try:
+            listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
+        except listing.Disconnected:
+            # The sshfs process behind this mount is gone (killed, OOM, a
+            # reboot of the far side without reconnect): the kernel answers
+            # ENOTCONN forever. It is our own mount of our own source, so
+            # replacing it is the repair, not a trespass.
+            _unmount(mountpoint)
+            _mount(source, mountpoint, spec.ssh)
+            notes.append(
+                f"the earlier mount of `{source.remote}` at {mountpoint} had lost its sshfs process "
+                f"(transport endpoint not connected); unmounted it and mounted it again read-only"
+            )
+            listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
+            return
+        mode = "read-only" if existing.read_only else "read-write (ranks only read it; ro is expected)"
+        notes.append(
+            f"{mountpoint} is already mounted from `{existing.source}` ({existing.fstype}, {mode}); reusing it"
+        )
+        return
+
+    unmount = f"fusermount -u {mountpoint}" if existing.is_fuse else f"sudo umount {mountpoint}"
+    notes.append(
+        f"{mountpoint} already carries a mount from `{existing.source}` ({existing.fstype}), not the "
+        f"configured data_source `{source.url}`; leaving it alone, and the ranks will read whatever is "
+        f"mounted there. To mount the configured source instead: `{unmount}`, then run again."
+    )
+    listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source, foreign=True)
+
+
+def _same_source(mount: mounts.Mount, source: Source) -> bool:
+    if mount.fstype != "fuse.sshfs":
+        return False
+    if mount.source == source.remote:
+        return True
+    # sshfs keeps the remote as typed: `host:/data/` and `host:/data` are one source.
+    head, sep, path = mount.source.rpartition(":")
+    return bool(sep) and f"{head}:{posixpath.normpath(path)}" == source.remote
+
+
+def _ensure_mountpoint(mountpoint: str) -> None:
+    if os.path.isdir(mountpoint):
+        return
+    if os.path.lexists(mountpoint):
+        raise permanent(
+            f"the mountpoint {mountpoint} for data_source exists and is not a directory; remove it, "
+            f"or set `data_path` to a directory this user owns."
+        )
+    try:
+        os.makedirs(mountpoint, exist_ok=True)
+    except OSError as err:
+        user = human.user()
+        raise permanent(
+            f"the mountpoint {mountpoint} for data_source does not exist and cannot be created: "
+            f"{human.oserror(err)}. Create it once during provisioning "
+            f"(`sudo mkdir -p {mountpoint} && sudo chown {user} {mountpoint}`), or set `data_path` "
+            f"to a directory this user owns."
+        ) from None
+
+
+def _check_identity(ssh: SshSpec | None) -> None:
+    """ssh skips an IdentityFile it cannot load and carries on with the
+    keys it has left, so a mistyped key path only ever surfaces as the far
+    side refusing us: a transient failure, retried forever. Open it here,
+    where its absence is still the config's fault and says so."""
+    if ssh is None or not ssh.identity_file:
+        return
+    key = ssh.identity_file
+    # ssh expands `%d`, `%u`, `${VAR}` itself; only it knows what those name.
+    if "%" in key or "${" in key:
+        return
+    path = os.path.expanduser(key)
+    fix = (
+        "set `ssh.identity_file` (flag --identity-file) to the private key the data host accepts, readable by this user"
+    )
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as err:
+        raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
+    try:
+        os.read(fd, 1)
+    except OSError as err:
+        raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
+    finally:
+        os.close(fd)
+
+
+# What ssh prints when the options it was started with do not parse. It
+# exits on them before it connects, so they name this box's configuration,
+# never the far side. sshfs's own parser (which also vets the ssh options it
+# passes on) answers in fuse's words. Matched per line, from its start.
+_OPTION_ERROR = re.compile(
+    r"^(?:fuse: unknown option"
+    r"|fuse: invalid parameter in option"
+    r"|command-line:? line \d+: "  # an -o value: a bad port, key, cipher, yes/no ...
+    r"|\S.*: terminating, \d+ bad configuration options?$)"  # how every ssh_config file error ends
+)
+# The lines a config file's error is made of, quoted along with its end.
+_FILE_LINE = re.compile(r"^\S.*:? line \d+: ")
+# The one error-level message ssh prints about an option and then carries
+# on past (a removed option such as RSAAuthentication): a refused connection
+# after it is still the network's. The fatal bad-value message is lowercase
+# (`unsupported option "maybe".`).
+_OPTION_WARNING = re.compile(r'^\S.* line \d+: Unsupported option "')
+
+
+def _option_errors(stderr: str) -> list[str]:
+    """ssh's (or sshfs's) own lines saying it could not use its options, or
+    [] when it did not say so."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    lines = [line for line in dict.fromkeys(lines) if not _OPTION_WARNING.match(line)]
+    if not any(_OPTION_ERROR.match(line) for line in lines):
+        return []
+    return [line for line in lines if _OPTION_ERROR.match(line) or _FILE_LINE.match(line)]
+
+
+def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
+    if proc.which("sshfs") is None:
+        raise _no_sshfs(source)
+    _check_identity(ssh)
+    _ensure_mountpoint(mountpoint)
+    argv = sshfs_argv(source, mountpoint, ssh)
+    where = f"mounting data_source `{source.url}` at {mountpoint}"
+    start = time.monotonic()
+    try:
+        done = proc.run(argv, timeout=MOUNT_TIMEOUT_S)
+    except proc.Missing:
+        raise _no_sshfs(source) from None
+    except proc.TimedOut as late:
+        # sshfs puts the FUSE mount in place before its ssh has finished
+        # connecting; killed now, it leaves a mount that answers ENOTCONN
+        # to everyone. Nothing was mounted here when we started (we hold
+        # the lock), so whatever sshfs is there now is this attempt's.
+        _discard(mountpoint)
+        raise transient(
+            f"{where}: sshfs did not finish within {MOUNT_TIMEOUT_S:g}s (the far side accepts "
+            f"connections but does not answer){_quoted(late.stderr)}"
+        ) from None
+    took = time.monotonic() - start
+    if not done.ok:
+        _discard(mountpoint)
+        said = done.stderr
+        verbose = [argv[0], "-v", *argv[1:]]
+        if took < QUICK_FAIL_S:
+            # A backgrounding sshfs sends ssh's stderr to /dev/null, so the
+            # reason (a refused key, a refused connection, a changed host
+            # key) is lost and all it says is "read: Connection reset by
+            # peer". Its -v keeps ssh's stderr, but on success ssh then holds
+            # our stderr pipe open for the life of the mount, which would
+            # cost every good mount a wait. So only a quick failure is asked
+            # again, verbosely: those are the ones with a reason to give.
+            try:
+                again = proc.run(verbose, timeout=MOUNT_TIMEOUT_S)
+            except (proc.Missing, proc.TimedOut):
+                again = None
+            if again is not None and again.ok and _is_sshfs_at(mountpoint):
+                return
+            _discard(mountpoint)
+            if again is not None and again.stderr.strip():
+                said = again.stderr
+        else:
+            said = f"no answer after {took:.0f}s; {said}"
+        raise _sshfs_failed(where, done, said, verbose)
+    # sshfs exits 0 only once its connection is up, so a zero exit with
+    # nothing mounted means the far side went away mid-handshake.
+    if not _is_sshfs_at(mountpoint):
+        raise transient(f"{where}: sshfs exited 0 but nothing is mounted there{_quoted(done.stderr)}")
+
+
+def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str]) -> Fail:
+    """Why sshfs exited non-zero, from what it (or its verbose retry) said."""
+    refused = _option_errors(f"{done.stderr}\n{said}")
+    if refused:
+        # Transient would restart the unit into the same refusal forever.
+        in_file = any(not line.startswith(("fuse: ", "command-line")) for line in refused)
+        return permanent(
+            f"{where}: ssh cannot use the options it was given (sshfs said: {' / '.join(refused)}). "
+            f"That is this box's configuration, not the far side: fix `ssh.options` (flag "
+            f"--ssh-option: ssh_config options as Key=Value, or sshfs's own)"
+            f"{' or the ssh_config file named there' if in_file else ''}. "
+            f"Try it by hand: `{shlex.join(verbose)}`"
+        )
+    return transient(
+        f"{where} failed: sshfs exited {done.returncode}{_quoted(said)}. Try it by hand: `{shlex.join(verbose)}`"
+    )
+
+
+def _discard(mountpoint: str) -> None:
+    """Take down what a failed sshfs left at the mountpoint, if anything."""
+    if _is_sshfs_at(mountpoint):
+        try:
+            _unmount(mountpoint)
+        except Fail:
+            pass
+
+
+def _is_sshfs_at(mountpoint: str) -> bool:
+    mounted = mounts.mounted_at(mountpoint)
+    return mounted is not None and mounted.fstype == "fuse.sshfs"
+
+
+def _no_sshfs(source: Source) -> Fail:
+    return permanent(
+        f"data_source `{source.url}` needs sshfs, which is not installed (not on PATH). Install it: "
+        f"{INSTALL_SSHFS}. Or mount the source during provisioning and declare only `data_path`."
+    )
+
+
+def _unmount(mountpoint: str) -> None:
+    for argv in (
+        ["fusermount3", "-u", "-z", mountpoint],
+        ["fusermount", "-u", "-z", mountpoint],
+        ["umount", "-l", mountpoint],
+    ):
+        if proc.which(argv[0]) is None:
+            continue
+        try:
+            if proc.run(argv, timeout=MOUNT_TIMEOUT_S).ok:
+                return
+        except (proc.Missing, proc.TimedOut):
+            continue
+    raise transient(
+        f"{mountpoint} carries a dead sshfs mount (transport endpoint not connected) that could not "
+        f"be unmounted; run `fusermount -u -z {mountpoint}`."
+    )
+
+
+def _quoted(stderr: str) -> str:
+    text = " ".join(line.strip() for line in stderr.strip().splitlines() if line.strip())
+    if not text:
+        return ""
+    if len(text) > 2000:
+        text = text[:2000] + " ..."
+    return f"; sshfs said: {text}"
