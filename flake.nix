@@ -113,6 +113,18 @@
         }
       );
 
+      # `nix fmt`: the formatter the Nix files here are written in.
+      formatter = forSystems (system: (pkgsFor system).nixfmt-rfc-style);
+
+      # `nix flake check`: the app builds, and the code gates hold (ruff,
+      # mypy --strict, nixfmt; nix/checks.nix). Both need current nixpkgs,
+      # so they run on a box or a CI that can fetch it; the suite itself runs
+      # through scripts/test, which a build sandbox cannot host.
+      checks = forSystems (system: {
+        app = self.packages.${system}.fdl-prepare;
+        gates = (pkgsFor system).callPackage ./nix/checks.nix { src = ./.; };
+      });
+
       nixosModules.default = import ./nix/module.nix self;
     };
 }

@@ -5,7 +5,6 @@
 # runs the suite, which needs root, a real Nix and loopback services that a
 # build sandbox does not have.
 {
-  lib,
   runCommand,
   python3,
   ruff,
@@ -13,17 +12,6 @@
   src,
 }:
 let
-  checkSrc = lib.fileset.toSource {
-    root = src;
-    fileset = lib.fileset.unions [
-      (src + "/pyproject.toml")
-      (src + "/prepare")
-      (src + "/tests")
-      (src + "/bench")
-      (src + "/nix")
-      (src + "/flake.nix")
-    ];
-  };
   python = python3.withPackages (
     ps: with ps; [
       mypy
@@ -44,7 +32,7 @@ runCommand "fdl-prepare-gates"
     ];
   }
   ''
-    cp -r ${checkSrc} src
+    cp -r ${src} src
     chmod -R u+w src
     cd src
     ruff check .

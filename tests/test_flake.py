@@ -428,6 +428,29 @@ def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, produ
     assert program.endswith("-fdl-prepare/bin/fdl-prepare")
 
 
+def test_the_flake_checks_run_the_gates_and_the_formatter_is_nixfmt(env, production, nixpkgs):
+    common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
+    # The copy the production fixture makes holds what the flake reads; the
+    # gates read the package and the tests too.
+    dest = Path(production.removeprefix("path:"))
+    shutil.copytree(REPO / "prepare", dest / "prepare")
+    shutil.copytree(REPO / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "bench", dest / "bench")
+
+    gates = nix_json(env, "eval", f"{production}#checks.{SYSTEM}.gates", "--apply",
+                     "g: { inherit (g) name script builtWith; tools = map (t: t.outPath) g.nativeBuildInputs; }",
+                     *common)
+    app = nix_json(env, "eval", f"{production}#checks.{SYSTEM}.app.builtWith", *common)
+    formatter = nix_json(env, "eval", f"{production}#formatter.{SYSTEM}.outPath", *common)
+
+    assert gates["builtWith"] == "runCommand"
+    for gate in ("ruff check .", "ruff format --check .", "mypy --strict prepare", "nixfmt --check"):
+        assert gate in gates["script"], gate
+    assert any(t.endswith("-ruff") for t in gates["tools"]) and any(t.endswith("-nixfmt") for t in gates["tools"])
+    assert app == "buildPythonApplication"
+    assert formatter.endswith("-nixfmt")
+
+
 @pytest.mark.parametrize(
     "path",
     ["flake.nix", *sorted(f"nix/{p.name}" for p in (REPO / "nix").glob("*.nix") if p.name != "module.nix"),

@@ -59,7 +59,18 @@ let
       nvidia-ml-py = tool "nvidia-ml-py";
       sh = tool "sh";
       typer = tool "typer";
+      rich = tool "rich";
+      mypy = tool "mypy";
+      pytest = tool "pytest";
     };
+
+    python3.withPackages = f: {
+      pythonWith = map (p: p.outPath) (f pkgs.python3Packages);
+      outPath = "/nix/store/00000000000000000000000000000000-python3-env";
+    };
+    ruff = tool "ruff";
+    nixfmt-rfc-style = tool "nixfmt";
+    runCommand = name: attrs: script: attrs // { inherit name script; builtWith = "runCommand"; };
 
     nix = tool "nix";
     sshfs = tool "sshfs";
