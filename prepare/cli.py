@@ -34,6 +34,7 @@ EXIT_INTERRUPTED = 130
 
 NAME = "fdl-prepare"
 
+
 class Interrupted(KeyboardInterrupt):
     """SIGTERM (systemd stopping the unit) unwinds like Ctrl-C, so the seam in
     prepare.proc stops any running child before we exit."""
@@ -119,11 +120,17 @@ def make_app(table: Table = TABLE) -> typer.Typer:
         ctx: typer.Context,
         *,
         config: Optional[str] = typer.Option(
-            None, "--config", metavar="PATH",
+            None,
+            "--config",
+            metavar="PATH",
             help="TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present.",
         ),
-        as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the Prepared, or the Fail."),
-        version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+        as_json: bool = typer.Option(
+            False, "--json", help="Print one JSON object on stdout: the Prepared, or the Fail."
+        ),
+        version: Optional[bool] = typer.Option(
+            None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
         **given: Any,
     ) -> None:
         """Prepare this box (the default command)."""

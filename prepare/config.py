@@ -88,8 +88,7 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
         path = Path(flag)
         if not os.path.exists(path):
             raise permanent(
-                f"--config {flag}: no such file; fix the path, or drop --config to use "
-                f"${CONFIG_ENV} or {default}"
+                f"--config {flag}: no such file; fix the path, or drop --config to use ${CONFIG_ENV} or {default}"
             )
         return path
     named = env.get(CONFIG_ENV)
@@ -154,8 +153,7 @@ def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
     if not isinstance(join, dict):
         shown = "an array of tables ([[join]])" if isinstance(join, list) else f"{show(join)}"
         raise permanent(
-            f"config {path}{_at(_line_of(text, ('join',)))}: join must be a table written [join], "
-            f"got {shown}"
+            f"config {path}{_at(_line_of(text, ('join',)))}: join must be a table written [join], got {shown}"
         )
     problems = _validate(join, _file_namer(text), table)
     if problems:
@@ -194,8 +192,10 @@ def _syntax_message(path: Path, text: str, exc: Exception) -> str:
     reason = reason or str(exc)
     lines = text.split("\n")
     source = lines[line - 1] if line is not None and 0 < line <= len(lines) else None
-    head = f"config {path}, line {line}, column {col}: invalid TOML: {reason}" if line else (
-        f"config {path}: invalid TOML: {reason}"
+    head = (
+        f"config {path}, line {line}, column {col}: invalid TOML: {reason}"
+        if line
+        else (f"config {path}: invalid TOML: {reason}")
     )
     hint = _syntax_hint(reason, source)
     if hint:
@@ -259,7 +259,7 @@ def resolve(
         origins[f.spec] = replace(origin, value=value)
         if f.table and (isinstance(file.get(f.table), Mapping) or isinstance(given.get(f.table), Mapping)):
             present.add(f.spec.partition(".")[0])
-    spec = _build(table.spec, values, present, origins)
+    spec = _build(table.spec_type, values, present, origins)
     _check_rules(spec)
     return spec
 
@@ -296,9 +296,10 @@ def _build(
         else:
             top[path] = value
     for group, attrs in groups.items():
-        classes = [t for t in typing.get_args(hints[group]) if t is not type(None)] or [hints[group]]
-        optional = type(None) in typing.get_args(hints[group])
-        top[group] = classes[0](**attrs) if group in present or not optional else None
+        declared = typing.get_args(hints[group])
+        optional = type(None) in declared
+        cls = next(t for t in declared if t is not type(None)) if optional else hints[group]
+        top[group] = cls(**attrs) if group in present or not optional else None
     return spec_type(**top, origins=origins)
 
 
@@ -394,15 +395,15 @@ def _drop_none(flags: Mapping[str, Any]) -> dict[str, Any]:
 Namer = Callable[[str], "tuple[str, int | None]"]
 
 
-def _validate(node_table: Mapping[str, Any], name: Namer, table: Table, *, flags: bool = False) -> list[str]:
-    """Every problem in `node_table`, in the order they appear in the file."""
+def _validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool = False) -> list[str]:
+    """Every problem in the [join] table `join`, in the order they appear in the file."""
     found: list[tuple[int, str]] = []
 
     def problem_at(line: int | None, text: str) -> None:
         found.append((line if line is not None else 1 << 30, text))
 
     for sub, schema in table.tables.items():
-        node = node_table if not sub else node_table.get(sub)
+        node = join if not sub else join.get(sub)
         if node is None:
             continue
         if not isinstance(node, Mapping):
@@ -410,7 +411,7 @@ def _validate(node_table: Mapping[str, Any], name: Namer, table: Table, *, flags
             problem_at(
                 line,
                 f"{full}{_at(line)} = {show(node)}: expected a table, written [join.{sub}] "
-                f"on a line of its own with its keys below it, got {kind_of(node)}"
+                f"on a line of its own with its keys below it, got {kind_of(node)}",
             )
             continue
         for key, value in node.items():
@@ -546,4 +547,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-

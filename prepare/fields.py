@@ -251,73 +251,168 @@ class Field:
 
 FIELDS: tuple[Field, ...] = (
     Field(
-        "data_path", "--data-path", "data.data_path", STRING, metavar="PATH", nix="nullOr str",
+        key="data_path",
+        flag="--data-path",
+        spec="data.data_path",
+        kind=STRING,
+        metavar="PATH",
+        nix="nullOr str",
         help="Dataset root (or where to mount data_source; default /flodl/data).",
     ),
     Field(
-        "data_source", "--data-source", "data.data_source", URL, metavar="URL", nix="nullOr str",
+        key="data_source",
+        flag="--data-source",
+        spec="data.data_source",
+        kind=URL,
+        metavar="URL",
+        nix="nullOr str",
         help="sshfs://[user@]host[:port]/abs/path, mounted read-only at --data-path.",
     ),
     Field(
-        "libtorch", "--libtorch", "libtorch", STRING, metavar="VARIANT", nix="nullOr str",
+        key="libtorch",
+        flag="--libtorch",
+        spec="libtorch",
+        kind=STRING,
+        metavar="VARIANT",
+        nix="nullOr str",
         help="libtorch variant: auto, cpu, cu128, ... (whatever the flake provides).",
     ),
     Field(
-        "devices", "--devices", "devices", DEVICES, metavar="LIST", nix="nullOr (listOf ints.unsigned)",
+        key="devices",
+        flag="--devices",
+        spec="devices",
+        kind=DEVICES,
+        metavar="LIST",
+        nix="nullOr (listOf ints.unsigned)",
         help="GPU indices this box offers, e.g. 0,1 (after CUDA_VISIBLE_DEVICES).",
     ),
     Field(
-        "cpu_only", "--cpu-only", "cpu_only", BOOLEAN, default=False, nix="bool",
+        key="cpu_only",
+        flag="--cpu-only",
+        spec="cpu_only",
+        kind=BOOLEAN,
+        default=False,
+        nix="bool",
         help="Skip the GPU gate (CPU-only workers, demos); only the cpu libtorch is allowed.",
     ),
     # The module writes `flake` from its own `flake` option, not a settings one.
     Field(
-        "flake", "--flake", "flake", URL, metavar="URL", env=Env(FLAKE_ENV),
+        key="flake",
+        flag="--flake",
+        spec="flake",
+        kind=URL,
+        metavar="URL",
+        env=Env(FLAKE_ENV),
         help="Flake providing libtorch variants and the training build. Default: $FDL_PREPARE_FLAKE.",
     ),
     # Under the module, systemd's StateDirectory= decides it.
     Field(
-        "state_dir", "--state-dir", "state_dir", STRING, metavar="DIR",
+        key="state_dir",
+        flag="--state-dir",
+        spec="state_dir",
+        kind=STRING,
+        metavar="DIR",
         # systemd joins several StateDirectory= entries with ':'; the first is the unit's own.
         env=Env(STATE_ENV, note="systemd's StateDirectory=", separator=":"),
         help="Where GC roots of built outputs live. Default: $STATE_DIRECTORY (systemd), else a per-user directory.",
     ),
+    # The module passes the timeouts free-form: the front end refuses a bad one at start.
     Field(
-        "list_timeout", "--list-timeout", "list_timeout_s", SECONDS, metavar="SECONDS", default=10.0,
+        key="list_timeout",
+        flag="--list-timeout",
+        spec="list_timeout_s",
+        kind=SECONDS,
+        metavar="SECONDS",
+        default=10.0,
         help="Give up listing the dataset root after this long (dead mount). Default: 10.",
     ),
     Field(
-        "build_timeout", "--build-timeout", "build_timeout_s", SECONDS, metavar="SECONDS",
+        key="build_timeout",
+        flag="--build-timeout",
+        spec="build_timeout_s",
+        kind=SECONDS,
+        metavar="SECONDS",
         help="Abandon a build running longer than this (transient).",
     ),
     Field(
-        "source.from", "--source", "source.from_", URL, metavar="URL", nix="nullOr str",
+        key="source.from",
+        flag="--source",
+        spec="source.from_",
+        kind=URL,
+        metavar="URL",
+        nix="nullOr str",
         help="Training source as a flake URL (git+https://...?ref=..., path:...).",
     ),
     Field(
-        "source.cwd", "--source-cwd", "source.cwd", STRING, metavar="DIR", nix="nullOr str",
+        key="source.cwd",
+        flag="--source-cwd",
+        spec="source.cwd",
+        kind=STRING,
+        metavar="DIR",
+        nix="nullOr str",
         help="Directory inside the source the build and run use.",
     ),
     Field(
-        "source.build", "--source-build", "source.build", STRING, metavar="CMD", nix="nullOr str",
+        key="source.build",
+        flag="--source-build",
+        spec="source.build",
+        kind=STRING,
+        metavar="CMD",
+        nix="nullOr str",
         help="Build line for the source.",
     ),
     Field(
-        "source.bin", "--source-bin", "source.bin", STRING, metavar="NAME", nix="nullOr str",
+        key="source.bin",
+        flag="--source-bin",
+        spec="source.bin",
+        kind=STRING,
+        metavar="NAME",
+        nix="nullOr str",
         help="The training binary the build installs.",
     ),
     Field(
-        "ssh.target", "--ssh-target", "ssh.target", STRING, metavar="HOST", nix="nullOr str",
+        key="ssh.target",
+        flag="--ssh-target",
+        spec="ssh.target",
+        kind=STRING,
+        metavar="HOST",
+        nix="nullOr str",
         help="ssh target of the controller tunnel.",
     ),
-    Field("ssh.port", "--ssh-port", "ssh.port", PORT, metavar="PORT", nix="nullOr port", help="ssh port."),
-    Field("ssh.user", "--ssh-user", "ssh.user", STRING, metavar="USER", nix="nullOr str", help="ssh user."),
     Field(
-        "ssh.identity_file", "--identity-file", "ssh.identity_file", STRING, metavar="PATH", nix="nullOr str",
+        key="ssh.port",
+        flag="--ssh-port",
+        spec="ssh.port",
+        kind=PORT,
+        metavar="PORT",
+        nix="nullOr port",
+        help="ssh port.",
+    ),
+    Field(
+        key="ssh.user",
+        flag="--ssh-user",
+        spec="ssh.user",
+        kind=STRING,
+        metavar="USER",
+        nix="nullOr str",
+        help="ssh user.",
+    ),
+    Field(
+        key="ssh.identity_file",
+        flag="--identity-file",
+        spec="ssh.identity_file",
+        kind=STRING,
+        metavar="PATH",
+        nix="nullOr str",
         help="ssh identity file (used for the sshfs mount).",
     ),
     Field(
-        "ssh.options", "--ssh-option", "ssh.options", STRINGS, metavar="OPT", default=(),
+        key="ssh.options",
+        flag="--ssh-option",
+        spec="ssh.options",
+        kind=STRINGS,
+        metavar="OPT",
+        default=(),
         nix="nullOr (listOf str)",
         help="ssh -o option, repeatable; replaces the file's list. These come first, so they win.",
     ),
@@ -326,11 +421,11 @@ FIELDS: tuple[Field, ...] = (
 
 class Table:
     """The fields, and the lookups the config and the CLI derive from them.
-    `spec` is the class a resolved config becomes."""
+    `spec_type` is the class a resolved config becomes."""
 
-    def __init__(self, fields: Sequence[Field], spec: type[PrepareSpec] = PrepareSpec) -> None:
+    def __init__(self, fields: Sequence[Field], spec_type: type[PrepareSpec] = PrepareSpec) -> None:
         self.fields = tuple(fields)
-        self.spec = spec
+        self.spec_type = spec_type
         for attr in ("key", "flag", "spec", "param"):
             seen = [getattr(f, attr) for f in self.fields]
             twice = sorted({v for v in seen if seen.count(v) > 1})
@@ -380,7 +475,7 @@ def _cpu_only_takes_the_cpu_libtorch(spec: PrepareSpec, where: Where) -> str | N
     if spec.cpu_only and spec.libtorch is not None and spec.libtorch not in ("cpu", "auto"):
         return (
             f"cpu_only (from {where('cpu_only')}) allows only the cpu libtorch, but libtorch is "
-            f"{show(spec.libtorch)} (from {where('libtorch')}): set libtorch to \"cpu\" or \"auto\", "
+            f'{show(spec.libtorch)} (from {where("libtorch")}): set libtorch to "cpu" or "auto", '
             f"or drop cpu_only on a box with a GPU"
         )
     return None

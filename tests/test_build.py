@@ -563,8 +563,9 @@ def test_a_state_dir_changed_after_resolving_is_not_named_by_its_old_origin(test
 
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "unit-state"))
     resolved = config.resolve({}, {}, dict(os.environ))
-    fail = expect_fail(replace(resolved, flake=test_flake, libtorch="cpu", cpu_only=True,
-                               state_dir=str(_blocked(tmp_path))))
+    fail = expect_fail(
+        replace(resolved, flake=test_flake, libtorch="cpu", cpu_only=True, state_dir=str(_blocked(tmp_path)))
+    )
     assert "(from state_dir, --state-dir)" in fail.message
 
 

@@ -180,10 +180,13 @@ SETTINGS = "services.fdl-prepare.settings.join."
 def _type_descriptions(lib: Path, expressions: dict[str, str]) -> dict[str, str]:
     """What the manual says for each `lib.types` expression, from the same lib."""
     body = " ".join(f"{json.dumps(k)} = ({e}).description;" for k, e in expressions.items())
+    expression = f"let lib = import {lib}; in with lib.types; {{ {body} }}"
     done = subprocess.run(
-        ["nix-instantiate", "--eval", "--strict", "--json", "--expr",
-         f"let lib = import {lib}; in with lib.types; {{ {body} }}"],
-        capture_output=True, text=True, env=dict(os.environ, NIX_CONFIG=NIX_CONFIG), timeout=120,
+        ["nix-instantiate", "--eval", "--strict", "--json", "--expr", expression],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, NIX_CONFIG=NIX_CONFIG),
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
