@@ -193,3 +193,25 @@ def test_a_new_field_is_an_option_of_the_command(tmp_path):
     done = runner.invoke(app, ["--stage-timeout", "0", "--json"], env=env)
     assert done.exit_code == 78, done.output
     assert "--stage-timeout (join.stage_timeout) = 0.0" in done.output
+
+
+# A value for each kind as typed on the command line, and as it reaches resolve.
+FLAG_SAMPLES = {
+    "string": (["x"], "x"),
+    "url": (["path:/x"], "path:/x"),
+    "boolean": ([], True),
+    "port": (["2222"], 2222),
+    "seconds": (["2.5"], 2.5),
+    "devices": (["0, 2"], [0, 2]),
+    "strings": (["A=1"], ["A=1"]),
+}
+
+
+@pytest.mark.parametrize("f", FIELDS, ids=[f.key for f in FIELDS])
+def test_every_fields_flag_reaches_resolve_under_its_key(f, monkeypatch):
+    seen: list[dict] = []
+    monkeypatch.setattr(cli, "_prepare", lambda config_flag, flags, *rest: seen.append(flags) or 0)
+    text, value = FLAG_SAMPLES[f.kind.name]
+    done = CliRunner().invoke(cli.app, [f.flag, *text])
+    assert done.exit_code == 0, done.output
+    assert seen == [nest({f.key: value})]
