@@ -100,14 +100,12 @@ def default_state_dir(env: dict[str, str] | None = None, uid: int | None = None)
 
 
 def _state_origin(spec: PrepareSpec, env: dict[str, str]) -> str:
-    """Where the state directory came from, for the message about it. The
-    config's resolve fills spec.state_dir from $STATE_DIRECTORY too, so a
-    value equal to it is named as the unit's."""
-    from_unit = config.env_value(env, config.STATE_ENV)
+    """Where the state directory came from, for the message about it: as
+    the config resolved it, else from the spec, else our own default."""
     if spec.state_dir:
-        if from_unit and os.path.abspath(spec.state_dir) == os.path.abspath(from_unit):
-            return f"${config.STATE_ENV}, systemd's StateDirectory="
-        return "state_dir, --state-dir"
+        origin = spec.origin("state_dir")
+        return str(origin) if origin is not None else "state_dir, --state-dir"
+    from_unit = config.env_value(env, config.STATE_ENV)
     if from_unit:
         return f"${config.STATE_ENV}, systemd's StateDirectory="
     if env.get("XDG_STATE_HOME"):

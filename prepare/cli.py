@@ -11,16 +11,19 @@ Heavy modules (the steps, pynvml, rich) are imported inside the commands so
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import typer
 
 from prepare.fail import Fail
+from prepare.fields import TABLE, Field, Table, nest
 from prepare.notes import print_notes
 
 EXIT_OK = 0
@@ -30,20 +33,6 @@ EXIT_PERMANENT = 78
 EXIT_INTERRUPTED = 130
 
 NAME = "fdl-prepare"
-
-app = typer.Typer(
-    name=NAME,
-    add_completion=False,
-    no_args_is_help=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
-    help=(
-        "Get this box ready before it dials a training controller: GPU gate, dataset root, "
-        "writable local directories, then a pinned libtorch and the training binary through Nix.\n\n"
-        "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 130 interrupted."
-    ),
-)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -63,97 +52,98 @@ def _version(value: bool) -> None:
         raise typer.Exit(EXIT_OK)
 
 
-def _parse_devices(value: Optional[str]) -> Optional[list[int]]:
-    if value is None:
-        return None
-    from prepare import config
-
-    try:
-        return config.parse_devices(value)
-    except Fail as fail:
-        # A malformed flag is a usage error (exit 2), not a broken box.
-        raise typer.BadParameter(fail.message) from None
-
-
-def _flags(**given: Any) -> dict[str, Any]:
-    """Flags in the shape of the config's [join] table, None meaning not given,
-    so precedence can live in one place (prepare.config.resolve)."""
-    source = {
-        "from": given.pop("source"),
-        "cwd": given.pop("source_cwd"),
-        "build": given.pop("source_build"),
-        "bin": given.pop("source_bin"),
-    }
-    ssh = {
-        "target": given.pop("ssh_target"),
-        "port": given.pop("ssh_port"),
-        "user": given.pop("ssh_user"),
-        "identity_file": given.pop("identity_file"),
-        "options": given.pop("ssh_option") or None,
-    }
-    flags = {k: v for k, v in given.items() if v is not None}
-    if any(v is not None for v in source.values()):
-        flags["source"] = {k: v for k, v in source.items() if v is not None}
-    if any(v is not None for v in ssh.values()):
-        flags["ssh"] = {k: v for k, v in ssh.items() if v is not None}
-    return flags
-
-
-@app.callback(invoke_without_command=True)
-def run(
-    ctx: typer.Context,
-    config: Optional[str] = typer.Option(
-        None, "--config", metavar="PATH",
-        help="TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present.",
-    ),
-    data_path: Optional[str] = typer.Option(None, "--data-path", metavar="PATH", help="Dataset root (or where to mount data_source; default /flodl/data)."),
-    data_source: Optional[str] = typer.Option(None, "--data-source", metavar="URL", help="sshfs://[user@]host[:port]/abs/path, mounted read-only at --data-path."),
-    libtorch: Optional[str] = typer.Option(None, "--libtorch", metavar="VARIANT", help="libtorch variant: auto, cpu, cu128, ... (whatever the flake provides)."),
-    devices: Optional[str] = typer.Option(None, "--devices", metavar="LIST", help="GPU indices this box offers, e.g. 0,1 (after CUDA_VISIBLE_DEVICES)."),
-    cpu_only: Optional[bool] = typer.Option(None, "--cpu-only/--no-cpu-only", help="Skip the GPU gate (CPU-only workers, demos); only the cpu libtorch is allowed."),
-    flake: Optional[str] = typer.Option(None, "--flake", metavar="URL", help="Flake providing libtorch variants and the training build."),
-    source: Optional[str] = typer.Option(None, "--source", metavar="URL", help="Training source as a flake URL (git+https://...?ref=..., path:...)."),
-    source_cwd: Optional[str] = typer.Option(None, "--source-cwd", metavar="DIR", help="Directory inside the source the build and run use."),
-    source_build: Optional[str] = typer.Option(None, "--source-build", metavar="CMD", help="Build line for the source."),
-    source_bin: Optional[str] = typer.Option(None, "--source-bin", metavar="NAME", help="The training binary the build installs."),
-    ssh_target: Optional[str] = typer.Option(None, "--ssh-target", metavar="HOST", help="ssh target of the controller tunnel."),
-    ssh_port: Optional[int] = typer.Option(None, "--ssh-port", metavar="PORT", help="ssh port."),
-    ssh_user: Optional[str] = typer.Option(None, "--ssh-user", metavar="USER", help="ssh user."),
-    identity_file: Optional[str] = typer.Option(None, "--identity-file", metavar="PATH", help="ssh identity file (used for the sshfs mount)."),
-    ssh_option: Optional[list[str]] = typer.Option(None, "--ssh-option", metavar="OPT", help="ssh -o option, repeatable; replaces the file's list. These come first, so they win."),
-    state_dir: Optional[str] = typer.Option(None, "--state-dir", metavar="DIR", help="Where GC roots of built outputs live."),
-    list_timeout: Optional[float] = typer.Option(None, "--list-timeout", metavar="SECONDS", help="Give up listing the dataset root after this long (dead mount)."),
-    build_timeout: Optional[float] = typer.Option(None, "--build-timeout", metavar="SECONDS", help="Abandon a build running longer than this (transient)."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the Prepared, or the Fail."),
-    version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-) -> None:
-    """Prepare this box (the default command)."""
-    if ctx.invoked_subcommand is not None:
-        return
-    flags = _flags(
-        data_path=data_path,
-        data_source=data_source,
-        libtorch=libtorch,
-        devices=_parse_devices(devices),
-        cpu_only=cpu_only,
-        flake=flake,
-        state_dir=state_dir,
-        list_timeout=list_timeout,
-        build_timeout=build_timeout,
-        source=source,
-        source_cwd=source_cwd,
-        source_build=source_build,
-        source_bin=source_bin,
-        ssh_target=ssh_target,
-        ssh_port=ssh_port,
-        ssh_user=ssh_user,
-        identity_file=identity_file,
-        ssh_option=ssh_option,
+def _option(f: Field) -> inspect.Parameter:
+    """The command-line option for one field of the config. It defaults to
+    None, "not given", whatever the field's default: defaults and
+    precedence live in prepare.config.resolve alone."""
+    decls = [f.flag]
+    if f.kind.flag_type is bool:
+        decls = [f"{f.flag}/--no-{f.flag.removeprefix('--')}"]
+    # A repeatable flag: each occurrence is one item of the list.
+    annotation = list[str] | None if f.kind.flag_type is list else f.kind.flag_type | None
+    return inspect.Parameter(
+        f.param,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=typer.Option(None, *decls, metavar=f.metavar, help=f.help),
+        annotation=annotation,
     )
-    raise typer.Exit(_prepare(config, flags, as_json))
 
 
-def _prepare(config_flag: Optional[str], flags: dict[str, Any], as_json: bool) -> int:
+def _with_field_options(command: Callable[..., None], table: Table) -> Callable[..., None]:
+    """`command` with one option per field of `table` after its first two
+    parameters (the context and --config), which take the rest as **given."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params = [*own[:2], *(_option(f) for f in table.fields), *own[2:]]
+    # typer reads a command's options from its signature, and a declared
+    # __signature__ is what inspect.signature reports.
+    setattr(command, "__signature__", signature.replace(parameters=params))
+    return command
+
+
+def _flags(table: Table, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The options given, in the shape of the config's [join] table, so
+    precedence can live in one place (prepare.config.resolve)."""
+    flat: dict[str, Any] = {}
+    for f in table.fields:
+        value = given.get(f.param)
+        # A repeatable flag that was not given comes as an empty list.
+        if value is None or (f.kind.flag_type is list and not value):
+            continue
+        if f.kind.read_flag is not None:
+            try:
+                value = f.kind.read_flag(value, f.flag)
+            except Fail as fail:
+                # A malformed flag is a usage error (exit 2), not a broken box.
+                raise typer.BadParameter(fail.message) from None
+        flat[f.key] = value
+    return nest(flat)
+
+
+def make_app(table: Table = TABLE) -> typer.Typer:
+    """The command, with an option for each field of `table`."""
+    app = typer.Typer(
+        name=NAME,
+        add_completion=False,
+        no_args_is_help=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        context_settings={"help_option_names": ["-h", "--help"]},
+        help=(
+            "Get this box ready before it dials a training controller: GPU gate, dataset root, "
+            "writable local directories, then a pinned libtorch and the training binary through Nix.\n\n"
+            "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 130 interrupted."
+        ),
+    )
+
+    def run(
+        ctx: typer.Context,
+        *,
+        config: Optional[str] = typer.Option(
+            None,
+            "--config",
+            metavar="PATH",
+            help="TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present.",
+        ),
+        as_json: bool = typer.Option(
+            False, "--json", help="Print one JSON object on stdout: the Prepared, or the Fail."
+        ),
+        version: Optional[bool] = typer.Option(
+            None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
+        **given: Any,
+    ) -> None:
+        """Prepare this box (the default command)."""
+        if ctx.invoked_subcommand is not None:
+            return
+        raise typer.Exit(_prepare(config, _flags(table, given), as_json, table))
+
+    app.callback(invoke_without_command=True)(_with_field_options(run, table))
+    app.command("gpus")(gpus)
+    return app
+
+
+def _prepare(config_flag: Optional[str], flags: dict[str, Any], as_json: bool, table: Table = TABLE) -> int:
     from prepare import config
     from prepare.pipeline import prepare
 
@@ -161,8 +151,8 @@ def _prepare(config_flag: Optional[str], flags: dict[str, Any], as_json: bool) -
     start = time.monotonic()
     try:
         path = config.find_path(config_flag, os.environ)
-        file_table = config.load(path) if path is not None else {}
-        spec = config.resolve(file_table, flags, os.environ)
+        file_table = config.load(path, table=table) if path is not None else {}
+        spec = config.resolve(file_table, flags, os.environ, table=table)
         progress = None
         if spec.wants_build:
             from prepare import progress as progress_mod
@@ -220,7 +210,6 @@ def _summary(done: Any, seconds: float) -> None:
         print(f"  {key:<9} {value}", file=err)
 
 
-@app.command("gpus")
 def gpus(
     as_json: bool = typer.Option(False, "--json", help="Print the survey as JSON on stdout."),
 ) -> None:
@@ -237,6 +226,9 @@ def gpus(
         print(gate.format_table(survey))
         print_notes(f"{NAME} gpus", survey.notes)
     raise typer.Exit(EXIT_OK)
+
+
+app = make_app()
 
 
 def main() -> None:

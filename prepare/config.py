@@ -19,6 +19,10 @@ quotes the bad value, names the file, and says what to write instead. The
 file may hold tables for other tools; only [join] is read, but inside it an
 unknown key is an error, because a misspelt key silently ignored is a box
 that does something the operator did not ask for.
+
+Which keys there are, their flags, checks, defaults and environment
+fallbacks is not written here: it is the field table in `prepare.fields`,
+and this module only applies it, so no key needs an edit here.
 """
 
 from __future__ import annotations
@@ -26,48 +30,48 @@ from __future__ import annotations
 import difflib
 import errno
 import json
-import math
 import os
 import re
+import sys
+import typing
 from collections.abc import Callable, Mapping
-from datetime import date, datetime, time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prepare import human
 from prepare.fail import permanent
-from prepare.spec import DataSpec, PrepareSpec, SourceSpec, SshSpec
+from prepare.fields import (
+    BOOLEAN,
+    DEVICES,
+    PORT,
+    RULES,
+    SECONDS,
+    STRING,
+    STRINGS,
+    TABLE,
+    Env,
+    Field,
+    Kind,
+    Table,
+    kind_of,
+    show,
+    value_at,
+)
+
+# Named through the config by the steps and the tests.
+from prepare.fields import FLAKE_ENV as FLAKE_ENV
+from prepare.fields import STATE_ENV as STATE_ENV
+from prepare.fields import parse_devices as parse_devices
+from prepare.spec import Origin, PrepareSpec
 
 CONFIG_ENV = "FDL_PREPARE_CONFIG"
 DEFAULT_PATH = Path("/etc/fdl/prepare.toml")
-FLAKE_ENV = "FDL_PREPARE_FLAKE"
-STATE_ENV = "STATE_DIRECTORY"
-
-DEFAULT_LIST_TIMEOUT_S = PrepareSpec.list_timeout_s
 
 # The flag for each [join] key (dotted below `join`), as the CLI spells them.
 # Messages about a flag's value name the flag, so an operator who never
 # wrote a config is not sent looking for one.
-FLAG_NAMES: dict[str, str] = {
-    "data_path": "--data-path",
-    "data_source": "--data-source",
-    "libtorch": "--libtorch",
-    "devices": "--devices",
-    "cpu_only": "--cpu-only",
-    "flake": "--flake",
-    "state_dir": "--state-dir",
-    "list_timeout": "--list-timeout",
-    "build_timeout": "--build-timeout",
-    "source.from": "--source",
-    "source.cwd": "--source-cwd",
-    "source.build": "--source-build",
-    "source.bin": "--source-bin",
-    "ssh.target": "--ssh-target",
-    "ssh.port": "--ssh-port",
-    "ssh.user": "--ssh-user",
-    "ssh.identity_file": "--identity-file",
-    "ssh.options": "--ssh-option",
-}
+FLAG_NAMES: dict[str, str] = TABLE.flag_names
 
 
 # -- finding the file ----------------------------------------------------------
@@ -84,8 +88,7 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
         path = Path(flag)
         if not os.path.exists(path):
             raise permanent(
-                f"--config {flag}: no such file; fix the path, or drop --config to use "
-                f"${CONFIG_ENV} or {default}"
+                f"--config {flag}: no such file; fix the path, or drop --config to use ${CONFIG_ENV} or {default}"
             )
         return path
     named = env.get(CONFIG_ENV)
@@ -107,15 +110,15 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
 # -- loading the file ----------------------------------------------------------
 
 
-def load(path: Path | str) -> dict[str, Any]:
+def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
     """Read, parse and validate `path`; return its [join] table as plain
     nested dicts ({} when the file has no [join]). Raises a permanent Fail
     for an unreadable file, bytes that are not UTF-8, a TOML syntax error
     (with line and column), and any key or value [join] does not take."""
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    else:
+        import tomli as tomllib
 
     path = Path(path)
     try:
@@ -148,15 +151,15 @@ def load(path: Path | str) -> dict[str, Any]:
         return {}
     join = doc["join"]
     if not isinstance(join, dict):
-        shown = "an array of tables ([[join]])" if isinstance(join, list) else f"{_show(join)}"
+        shown = "an array of tables ([[join]])" if isinstance(join, list) else f"{show(join)}"
         raise permanent(
-            f"config {path}{_at(_line_of(text, ('join',)))}: join must be a table written [join], "
-            f"got {shown}"
+            f"config {path}{_at(_line_of(text, ('join',)))}: join must be a table written [join], got {shown}"
         )
-    problems = _validate(join, _file_namer(text))
+    problems = _validate(join, _file_namer(text), table)
     if problems:
         raise permanent(_problems_message(f"config {path}", problems))
-    return _plain(join)
+    plain: dict[str, Any] = _plain(join)
+    return plain
 
 
 def _looks_like_join(key: str) -> bool:
@@ -189,8 +192,10 @@ def _syntax_message(path: Path, text: str, exc: Exception) -> str:
     reason = reason or str(exc)
     lines = text.split("\n")
     source = lines[line - 1] if line is not None and 0 < line <= len(lines) else None
-    head = f"config {path}, line {line}, column {col}: invalid TOML: {reason}" if line else (
-        f"config {path}: invalid TOML: {reason}"
+    head = (
+        f"config {path}, line {line}, column {col}: invalid TOML: {reason}"
+        if line
+        else (f"config {path}: invalid TOML: {reason}")
     )
     hint = _syntax_hint(reason, source)
     if hint:
@@ -222,149 +227,145 @@ def resolve(
     flags: Mapping[str, Any],
     env: Mapping[str, str],
     *,
-    flag_names: Mapping[str, str] = FLAG_NAMES,
+    table: Table = TABLE,
 ) -> PrepareSpec:
     """Merge flags over the file over environment defaults over built-in
-    defaults, field by field, into a PrepareSpec.
+    defaults, field by field, into a PrepareSpec that records where each
+    value came from (`PrepareSpec.origin`).
 
     `file` is the [join] table (as `load` returns it); `flags` has the same
     nested shape, with None or a missing key meaning "not given". A given
     list (ssh.options, devices) replaces the file's list; an empty list is
     given and empty. Both are validated; a bad value is a permanent Fail
-    naming the flag or the key."""
-    problems = _validate(file, lambda key: (f"join.{key}", None))
+    naming the flag or the key, and so is a combination of values that
+    cannot work together (RULES)."""
+    problems = _validate(file, lambda key: (f"join.{key}", None), table)
     if problems:
         raise permanent(_problems_message("config", problems))
     given = _drop_none(flags)
-    problems = _validate(given, _flag_namer(flag_names), flags=True)
+    problems = _validate(given, _flag_namer(table), table, flags=True)
     if problems:
         raise permanent(_problems_message("flags", problems))
 
-    def pick(key: str, env_name: str | None = None, default: Any = None) -> tuple[Any, str | None]:
-        """(value, where it came from) for the dotted `key`."""
-        value = _get(given, key)
-        if value is not None:
-            return value, flag_names.get(key, key)
-        value = _get(file, key)
-        if value is not None:
-            return value, f"join.{key} in the config"
-        if env_name is not None:
-            value = env_value(env, env_name)
-            if value:
-                return value, f"${env_name}"
-        return default, None
-
-    data = DataSpec(data_path=pick("data_path")[0], data_source=pick("data_source")[0])
-    options = pick("ssh.options")[0]
-    ssh = SshSpec(
-        target=pick("ssh.target")[0],
-        port=pick("ssh.port")[0],
-        user=pick("ssh.user")[0],
-        identity_file=pick("ssh.identity_file")[0],
-        options=tuple(options) if options is not None else (),
-    )
-    source = None
-    if isinstance(file.get("source"), Mapping) or isinstance(given.get("source"), Mapping):
-        source = SourceSpec(
-            from_=pick("source.from")[0],
-            cwd=pick("source.cwd")[0],
-            build=pick("source.build")[0],
-            bin=pick("source.bin")[0],
-        )
-    devices = pick("devices")[0]
-    cpu_only, cpu_origin = pick("cpu_only", default=False)
-    libtorch, libtorch_origin = pick("libtorch")
-    if cpu_only and libtorch is not None and libtorch not in ("cpu", "auto"):
-        raise permanent(
-            f"cpu_only (from {cpu_origin}) allows only the cpu libtorch, but libtorch is "
-            f"{_show(libtorch)} (from {libtorch_origin}): set libtorch to \"cpu\" or \"auto\", "
-            f"or drop cpu_only on a box with a GPU"
-        )
-    list_timeout = pick("list_timeout", default=DEFAULT_LIST_TIMEOUT_S)[0]
-    build_timeout = pick("build_timeout")[0]
-    return PrepareSpec(
-        data=data,
-        ssh=ssh,
-        source=source,
-        libtorch=libtorch,
-        devices=tuple(devices) if devices is not None else None,
-        cpu_only=bool(cpu_only),
-        flake=pick("flake", FLAKE_ENV)[0],
-        state_dir=pick("state_dir", STATE_ENV)[0],
-        list_timeout_s=float(list_timeout),
-        build_timeout_s=float(build_timeout) if build_timeout is not None else None,
-    )
+    values: dict[str, Any] = {}
+    origins: dict[str, Origin] = {}
+    # Spec groups (source) whose table the file or the flags have: an
+    # optional group is built only then, even with nothing set inside.
+    present: set[str] = set()
+    for f in table.fields:
+        origin = _pick(f, given, file, env)
+        value = f.kind.to_spec(origin.value) if origin.value is not None else None
+        values[f.spec] = value
+        origins[f.spec] = replace(origin, value=value)
+        if f.table and (isinstance(file.get(f.table), Mapping) or isinstance(given.get(f.table), Mapping)):
+            present.add(f.spec.partition(".")[0])
+    spec = _build(table.spec_type, values, present, origins)
+    _check_rules(spec)
+    return spec
 
 
-# Where each [join] key lives on a PrepareSpec, for messages about a spec
-# built in code rather than read from a file.
-_SPEC_FIELDS = {
-    "data_path": "data.data_path",
-    "data_source": "data.data_source",
-    "list_timeout": "list_timeout_s",
-    "build_timeout": "build_timeout_s",
-    "source": "source",
-    "source.from": "source.from_",
-    "ssh": "ssh",
-}
+def _pick(f: Field, given: Mapping[str, Any], file: Mapping[str, Any], env: Mapping[str, str]) -> Origin:
+    """The value `f` takes, with where it came from (still in the TOML's
+    form: the caller converts it)."""
+    value = _get(given, f.key)
+    if value is not None:
+        return Origin("flag", f.flag, value)
+    value = _get(file, f.key)
+    if value is not None:
+        return Origin("file", f"join.{f.key}", value)
+    if f.env is not None:
+        value = f.env.read(env)
+        if value:
+            return Origin("environment", f.env.name, value, note=f.env.note)
+    return Origin("default", "the default", f.default)
 
 
-def check_spec(spec: PrepareSpec) -> None:
+def _build(
+    spec_type: type[PrepareSpec], values: Mapping[str, Any], present: set[str], origins: Mapping[str, Origin]
+) -> PrepareSpec:
+    """The spec from values by spec path. A group ("ssh.port" is in the
+    group ssh) is built with its own class, read off the spec's annotations;
+    one the spec declares optional (source) stays None unless present."""
+    hints = typing.get_type_hints(spec_type)
+    top: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for path, value in values.items():
+        group, _, attr = path.partition(".")
+        if attr:
+            groups.setdefault(group, {})[attr] = value
+        else:
+            top[path] = value
+    for group, attrs in groups.items():
+        declared = typing.get_args(hints[group])
+        optional = type(None) in declared
+        cls = next(t for t in declared if t is not type(None)) if optional else hints[group]
+        top[group] = cls(**attrs) if group in present or not optional else None
+    return spec_type(**top, origins=origins)
+
+
+# -- a spec built in code ----------------------------------------------------------------
+
+
+def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
     """The same checks a config file gets, for a PrepareSpec a join loop
-    built itself: a wrong type or range is a permanent Fail naming the spec
-    field, before any step runs, never a traceback from deep inside one."""
-    table: dict[str, Any] = {
-        "data_path": spec.data.data_path,
-        "data_source": spec.data.data_source,
-        "libtorch": spec.libtorch,
-        "devices": list(spec.devices) if isinstance(spec.devices, tuple) else spec.devices,
-        "cpu_only": spec.cpu_only,
-        "flake": spec.flake,
-        "state_dir": spec.state_dir,
-        "list_timeout": spec.list_timeout_s,
-        "build_timeout": spec.build_timeout_s,
-        "ssh": {
-            "target": spec.ssh.target,
-            "port": spec.ssh.port,
-            "user": spec.ssh.user,
-            "identity_file": spec.ssh.identity_file,
-            "options": list(spec.ssh.options) if isinstance(spec.ssh.options, tuple) else spec.ssh.options,
-        },
-    }
-    if spec.source is not None:
-        table["source"] = {
-            "from": spec.source.from_,
-            "cwd": spec.source.cwd,
-            "build": spec.source.build,
-            "bin": spec.source.bin,
-        }
-    given = _drop_none(table)
-    given["ssh"] = {k: v for k, v in table["ssh"].items() if v is not None and v != []}
-
-    def name(dotted: str) -> tuple[str, int | None]:
-        sub, _, key = dotted.rpartition(".")
-        if dotted in _SPEC_FIELDS:
-            return f"PrepareSpec.{_SPEC_FIELDS[dotted]}", None
-        if sub:
-            return f"PrepareSpec.{_SPEC_FIELDS.get(sub, sub)}.{key}", None
-        return f"PrepareSpec.{dotted}", None
-
-    # flags=True: no TOML spelling hints for a value that came from code.
-    problems = _validate(given, name, flags=True)
+    built itself: a wrong type or range, or values that cannot work together,
+    is a permanent Fail naming the spec field, before any step runs, never a
+    traceback from deep inside one. Returns the spec with its values in the
+    form resolve gives them (a URL without surrounding spaces)."""
+    problems = []
+    for f in table.fields:
+        value = value_at(spec, f.spec)
+        if value is None:
+            continue
+        problem = f.kind.check(value)
+        if problem:
+            # No TOML spelling hints for a value that came from code.
+            problems.append(f"PrepareSpec.{f.spec} = {show(value)}: {problem}")
     if problems:
         raise permanent(_problems_message("PrepareSpec", problems))
+    spec = _normalised(spec, table)
+    _check_rules(spec)
+    return spec
+
+
+def _normalised(spec: PrepareSpec, table: Table) -> PrepareSpec:
+    """`spec` with every value in the form Kind.to_spec gives it; the very
+    same spec when they all are (as a resolved one's are)."""
+    changes: dict[str, dict[str, Any]] = {}
+    for f in table.fields:
+        value = value_at(spec, f.spec)
+        if value is None:
+            continue
+        normal = f.kind.to_spec(value)
+        if normal != value or type(normal) is not type(value):
+            group, _, attr = f.spec.rpartition(".")
+            changes.setdefault(group, {})[attr] = normal
+    top = changes.pop("", {})
+    # The spec nests one level deep (ssh.port), so groups are plain attributes.
+    for group, attrs in changes.items():
+        top[group] = replace(getattr(spec, group), **attrs)
+    return replace(spec, **top) if top else spec
+
+
+def _check_rules(spec: PrepareSpec) -> None:
+    """RULES, for a resolved spec (naming flags, keys and variables) and one
+    built in code (naming its fields) alike."""
+
+    def where(path: str) -> str:
+        origin = spec.origin(path)
+        return str(origin) if origin is not None else f"PrepareSpec.{path}"
+
+    problems = [problem for rule in RULES if (problem := rule(spec, where)) is not None]
+    if len(problems) == 1:
+        raise permanent(problems[0])
+    if problems:
+        raise permanent(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def env_value(env: Mapping[str, str], name: str) -> str | None:
-    """A default from the environment, None when unset or empty."""
-    value = env.get(name)
-    if not value:
-        return None
-    if name == STATE_ENV:
-        # systemd joins several StateDirectory= entries with ':'; the first is
-        # the unit's own.
-        value = value.split(":", 1)[0]
-    return value or None
+    """A default from the environment, None when unset or empty; read as
+    the field it is the default of reads it."""
+    return TABLE.envs.get(name, Env(name)).read(env)
 
 
 def _get(table: Mapping[str, Any], dotted: str) -> Any:
@@ -388,221 +389,92 @@ def _drop_none(flags: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_devices(text: str, *, field: str = "--devices") -> list[int]:
-    """`0,1` -> [0, 1], for a flag or an environment variable. Bad input is a
-    permanent Fail naming `field`."""
-    parts = [p.strip() for p in text.split(",")]
-    # isascii: str.isdigit() also admits digits such as '²' that int() refuses.
-    if not text.strip() or any(not (p.isascii() and p.isdigit()) for p in parts):
-        raise permanent(
-            f"{field} {_show(text)}: expected comma-separated device indices such as {field} 0,1 "
-            f"(omit it to offer every visible device)"
-        )
-    return [int(p) for p in parts]
-
-
-# -- the schema --------------------------------------------------------------------
-
-Checker = Callable[[Any], "str | None"]
-
-
-def _kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "an array"
-    if isinstance(value, Mapping):
-        return "a table"
-    if isinstance(value, (datetime, date, time)):
-        return "a date/time"
-    return type(value).__name__
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _string(value: Any) -> str | None:
-    if not isinstance(value, str):
-        return f"expected a string, got {_kind(value)}"
-    if not value.strip():
-        return "expected a non-empty string; leave it out to keep it unset"
-    return None
-
-
-def _boolean(value: Any) -> str | None:
-    if isinstance(value, bool):
-        return None
-    return f"expected true or false (unquoted), got {_kind(value)}"
-
-
-def _port(value: Any) -> str | None:
-    if not _is_int(value):
-        return f"expected an integer port from 1 to 65535, got {_kind(value)}"
-    if not 1 <= value <= 65535:
-        return "expected a port from 1 to 65535"
-    return None
-
-
-def _seconds(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"expected a number of seconds greater than 0, got {_kind(value)}"
-    if not math.isfinite(value) or value <= 0:
-        return "expected a finite number of seconds greater than 0"
-    return None
-
-
-def _devices(value: Any) -> str | None:
-    if not isinstance(value, (list, tuple)):
-        return f"expected an array of device indices such as [0, 1], got {_kind(value)}"
-    if not value:
-        return (
-            "an empty list offers no device at all; leave it out to offer every visible device, "
-            "or set cpu_only for a box without one"
-        )
-    for item in value:
-        if not _is_int(item):
-            return f"expected device indices (integers from 0), but {_show(item)} is {_kind(item)}"
-        if item < 0:
-            return f"expected device indices from 0 up, got {item}"
-    seen = [d for i, d in enumerate(value) if d in value[:i]]
-    if seen:
-        return f"device {seen[0]} is listed twice"
-    return None
-
-
-def _strings(value: Any) -> str | None:
-    if not isinstance(value, (list, tuple)):
-        return f'expected an array of strings such as ["ServerAliveInterval=15"], got {_kind(value)}'
-    for item in value:
-        if not isinstance(item, str):
-            return f"expected an array of strings, but {_show(item)} is {_kind(item)}"
-        if not item.strip():
-            return "expected non-empty strings, got an empty one"
-    return None
-
-
-_SOURCE: dict[str, Checker] = {"from": _string, "cwd": _string, "build": _string, "bin": _string}
-_SSH: dict[str, Checker] = {
-    "target": _string,
-    "port": _port,
-    "user": _string,
-    "identity_file": _string,
-    "options": _strings,
-}
-_JOIN: dict[str, Checker] = {
-    "data_path": _string,
-    "data_source": _string,
-    "libtorch": _string,
-    "devices": _devices,
-    "cpu_only": _boolean,
-    "flake": _string,
-    "state_dir": _string,
-    "list_timeout": _seconds,
-    "build_timeout": _seconds,
-}
-_TABLES: dict[str, dict[str, Checker]] = {"": _JOIN, "source": _SOURCE, "ssh": _SSH}
-
-# How to write each kind of value in TOML, for the "write it as" hint.
-_EXAMPLES: dict[Checker, str] = {
-    _boolean: "true",
-    _port: "22",
-    _seconds: "30",
-    _devices: "[0, 1]",
-    _strings: '["ServerAliveInterval=15"]',
-}
+# -- the schema, from the field table ----------------------------------------------------------
 
 # (full key, line or None) for a dotted key below join.
 Namer = Callable[[str], "tuple[str, int | None]"]
 
 
-def _validate(table: Mapping[str, Any], name: Namer, *, flags: bool = False) -> list[str]:
-    """Every problem in `table`, in the order they appear in the file."""
+def _validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool = False) -> list[str]:
+    """Every problem in the [join] table `join`, in the order they appear in the file."""
     found: list[tuple[int, str]] = []
 
     def problem_at(line: int | None, text: str) -> None:
         found.append((line if line is not None else 1 << 30, text))
 
-    for sub, schema in _TABLES.items():
-        node = table if not sub else table.get(sub)
+    for sub, schema in table.tables.items():
+        node = join if not sub else join.get(sub)
         if node is None:
             continue
         if not isinstance(node, Mapping):
             full, line = name(sub)
             problem_at(
                 line,
-                f"{full}{_at(line)} = {_show(node)}: expected a table, written [join.{sub}] "
-                f"on a line of its own with its keys below it, got {_kind(node)}"
+                f"{full}{_at(line)} = {show(node)}: expected a table, written [join.{sub}] "
+                f"on a line of its own with its keys below it, got {kind_of(node)}",
             )
             continue
         for key, value in node.items():
             dotted = f"{sub}.{key}" if sub else key
-            if not sub and key in ("source", "ssh"):
+            if not sub and key in table.subtables:
                 continue
             full, line = name(dotted)
-            check = schema.get(key)
-            if check is None:
+            f = schema.get(key)
+            if f is None:
                 if flags:
                     # A caller bug, not an operator's typo: no flag has this name.
                     raise ValueError(f"unknown flag key {dotted!r}")
-                problem_at(line, f"unknown key {full}{_at(line)}; {_suggest(sub, key)}")
+                problem_at(line, f"unknown key {full}{_at(line)}; {_suggest(sub, key, table)}")
                 continue
             if value is None and flags:
                 continue
-            problem = check(value)
+            problem = f.kind.check(value)
             if problem:
-                problem_at(line, f"{full}{_at(line)} = {_show(value)}: {problem}{_hint(check, key, value, flags)}")
+                problem_at(line, f"{full}{_at(line)} = {show(value)}: {problem}{_hint(f.kind, key, value, flags)}")
     return [text for _, text in sorted(found, key=lambda item: item[0])]
 
 
-def _hint(check: Checker, key: str, value: Any, flags: bool) -> str:
+def _hint(kind: Kind, key: str, value: Any, flags: bool) -> str:
     if flags:
         return ""
-    if check is _string and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if kind.check is STRING.check and isinstance(value, (int, float)) and not isinstance(value, bool):
         return f'; quote it: {key} = "{value}"'
-    if check is _strings and isinstance(value, str):
-        return f"; write it as a list: {key} = [{_show(value)}]"
-    if isinstance(value, str) and check in _EXAMPLES:
-        how = "as a list" if check is _devices else "without quotes"
-        return f"; write it {how}: {key} = {_unquoted(check, value) or _EXAMPLES[check]}"
-    if check is _devices and _is_int(value):
+    if kind is STRINGS and isinstance(value, str):
+        return f"; write it as a list: {key} = [{show(value)}]"
+    if isinstance(value, str) and kind.example is not None:
+        how = "as a list" if kind is DEVICES else "without quotes"
+        return f"; write it {how}: {key} = {_unquoted(kind, value) or kind.example}"
+    if kind is DEVICES and isinstance(value, int) and not isinstance(value, bool):
         return f"; write it as a list: {key} = [{value}]"
     return ""
 
 
-def _unquoted(check: Checker, value: str) -> str | None:
+def _unquoted(kind: Kind, value: str) -> str | None:
     """What the operator meant by a quoted value, when that is clear."""
     text = value.strip()
-    if check is _boolean and text.lower() in ("true", "false"):
+    if kind is BOOLEAN and text.lower() in ("true", "false"):
         return text.lower()
-    if check in (_port, _seconds) and re.fullmatch(r"\d+(\.\d+)?", text):
+    if kind in (PORT, SECONDS) and re.fullmatch(r"\d+(\.\d+)?", text):
         return text
-    if check is _devices and re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
+    if kind is DEVICES and re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
         return "[" + ", ".join(p.strip() for p in text.split(",")) + "]"
     return None
 
 
-def _suggest(sub: str, key: str) -> str:
+def _suggest(sub: str, key: str, table: Table) -> str:
     here = f"[join.{sub}]" if sub else "[join]"
-    schema = _TABLES[sub]
-    valid = f"{here} takes: {', '.join(k for k in schema)}" + (
-        "" if sub else ", and the tables [join.source] and [join.ssh]"
-    )
-    for other, other_schema in _TABLES.items():
+    schema = table.tables[sub]
+    subtables = " and ".join(f"[join.{t}]" for t in table.subtables)
+    valid = f"{here} takes: {', '.join(schema)}" + ("" if sub else f", and the tables {subtables}")
+    for other, other_schema in table.tables.items():
         if other != sub and key in other_schema:
             where = f"join.{other}.{key}" if other else f"join.{key}"
-            table = f"[join.{other}]" if other else "[join]"
-            return f"did you mean {where}? {key} belongs in {table}"
-    close = difflib.get_close_matches(key, list(schema) + ([] if sub else list(_TABLES)[1:]), n=1, cutoff=0.6)
+            within = f"[join.{other}]" if other else "[join]"
+            return f"did you mean {where}? {key} belongs in {within}"
+    close = difflib.get_close_matches(key, list(schema) + ([] if sub else table.subtables), n=1, cutoff=0.6)
     if close:
         return f"did you mean join.{sub + '.' if sub else ''}{close[0]}? {valid}"
-    for other, other_schema in _TABLES.items():
+    for other, other_schema in table.tables.items():
         if other == sub:
             continue
         close = difflib.get_close_matches(key, list(other_schema), n=1, cutoff=0.75)
@@ -621,9 +493,9 @@ def _file_namer(text: str) -> Namer:
     return name
 
 
-def _flag_namer(flag_names: Mapping[str, str]) -> Namer:
+def _flag_namer(table: Table) -> Namer:
     def name(dotted: str) -> tuple[str, int | None]:
-        flag = flag_names.get(dotted)
+        flag = table.flag_names.get(dotted)
         return (f"{flag} (join.{dotted})" if flag else f"join.{dotted}"), None
 
     return name
@@ -669,25 +541,9 @@ def _at(line: int | None) -> str:
 # -- small helpers --------------------------------------------------------------------
 
 
-def _show(value: Any) -> str:
-    """A value as it would be written in TOML, so the operator recognises it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (datetime, date, time)):
-        return value.isoformat()
-    return repr(value)
-
-
 def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-

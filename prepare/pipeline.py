@@ -39,7 +39,9 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
     around this call is a provisioning loop: call it on every attempt."""
     from prepare import config, data, dirs, gate
 
-    config.check_spec(spec)
+    # The checked spec, not the caller's: its values are in their normal
+    # form (no spaces around a URL that reaches nix).
+    spec = config.check_spec(spec)
     timings: dict[str, float] = {}
     with _timed(timings, "gate"):
         gpus = gate.check(spec, notes)

@@ -6,8 +6,9 @@ on every attempt, so nothing here may carry state between attempts.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,27 @@ class SourceSpec:
 
 
 @dataclass(frozen=True)
+class Origin:
+    """Where a resolved value came from, as messages name it: a flag
+    (`--state-dir`), a key of the config file (`join.state_dir`), an
+    environment variable (`STATE_DIRECTORY`), or the built-in default."""
+
+    kind: Literal["flag", "file", "environment", "default"]
+    name: str
+    # The value it gave, in the spec's form: a spec changed since (with
+    # dataclasses.replace) no longer holds it, and the origin no longer holds.
+    value: Any = None
+    note: str | None = None
+
+    def __str__(self) -> str:
+        if self.kind == "file":
+            return f"{self.name} in the config"
+        if self.kind == "environment":
+            return f"${self.name}, {self.note}" if self.note else f"${self.name}"
+        return self.name
+
+
+@dataclass(frozen=True)
 class PrepareSpec:
     data: DataSpec = field(default_factory=DataSpec)
     ssh: SshSpec = field(default_factory=SshSpec)
@@ -64,10 +86,26 @@ class PrepareSpec:
     list_timeout_s: float = 10.0
     # A build stuck past this many seconds is abandoned (transient). None: no limit.
     build_timeout_s: float | None = None
+    # Where each value came from, by spec path ("state_dir", "ssh.port"), when
+    # the config resolved it from flags, a file and the environment; empty for
+    # a spec built in code. Not part of equality: the same values from a flag
+    # or from the file are the same spec.
+    origins: Mapping[str, Origin] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def wants_build(self) -> bool:
         return self.source is not None or self.libtorch is not None
+
+    def origin(self, path: str) -> Origin | None:
+        """Where the value at the spec path `path` came from; None when that
+        is not known, or the spec no longer holds the value it came with."""
+        origin = self.origins.get(path)
+        value: Any = self
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        if origin is None or origin.value != value:
+            return None
+        return origin
 
 
 @dataclass(frozen=True)

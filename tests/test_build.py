@@ -523,14 +523,50 @@ def test_an_unwritable_state_dir_from_state_directory_is_named_as_the_units(test
 
 
 def test_a_state_dir_the_config_took_from_state_directory_is_named_as_the_units(test_flake, tmp_path, monkeypatch):
+    from dataclasses import replace
+
     from prepare import config
 
     blocked = str(_blocked(tmp_path))
     monkeypatch.setenv("STATE_DIRECTORY", blocked)
     resolved = config.resolve({}, {}, dict(os.environ))
     assert resolved.state_dir == blocked
-    fail = expect_fail(spec(test_flake, resolved.state_dir))
+    # The resolved spec says where its state_dir came from; build reconstructs nothing.
+    fail = expect_fail(replace(resolved, flake=test_flake, libtorch="cpu", cpu_only=True))
     assert "(from $STATE_DIRECTORY" in fail.message
+
+
+@pytest.mark.parametrize(
+    ("where", "named"),
+    [("file", "(from join.state_dir in the config)"), ("flag", "(from --state-dir)")],
+)
+def test_a_state_dir_the_config_took_from_the_file_or_a_flag_is_named_as_that(
+    test_flake, tmp_path, monkeypatch, where, named
+):
+    from dataclasses import replace
+
+    from prepare import config
+
+    blocked = str(_blocked(tmp_path))
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "unit-state"))
+    file = {"state_dir": blocked if where == "file" else "/elsewhere"}
+    flags = {"state_dir": blocked} if where == "flag" else {}
+    resolved = config.resolve(file, flags, dict(os.environ))
+    fail = expect_fail(replace(resolved, flake=test_flake, libtorch="cpu", cpu_only=True))
+    assert named in fail.message and "$STATE_DIRECTORY" not in fail.message
+
+
+def test_a_state_dir_changed_after_resolving_is_not_named_by_its_old_origin(test_flake, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from prepare import config
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "unit-state"))
+    resolved = config.resolve({}, {}, dict(os.environ))
+    fail = expect_fail(
+        replace(resolved, flake=test_flake, libtorch="cpu", cpu_only=True, state_dir=str(_blocked(tmp_path)))
+    )
+    assert "(from state_dir, --state-dir)" in fail.message
 
 
 def test_an_unwritable_state_dir_from_xdg_state_home_is_named_so(test_flake, tmp_path, monkeypatch):

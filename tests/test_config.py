@@ -582,3 +582,86 @@ def test_parse_devices_reads_a_comma_list_and_refuses_garbage():
         with pytest.raises(Fail) as caught:
             config.parse_devices(text)
         assert caught.value.kind == "permanent" and "--devices" in caught.value.message
+
+
+# -- origins: where each resolved value came from -------------------------------------------
+
+
+def test_each_resolved_value_records_where_it_came_from():
+    env = {"FDL_PREPARE_FLAKE": "path:/nix/app", "STATE_DIRECTORY": "/var/lib/fdl:/var/lib/other"}
+    spec = config.resolve({"libtorch": "cpu", "ssh": {"port": 22}}, {"data_path": "/flag"}, env)
+    assert str(spec.origin("data.data_path")) == "--data-path"
+    assert str(spec.origin("libtorch")) == "join.libtorch in the config"
+    assert str(spec.origin("ssh.port")) == "join.ssh.port in the config"
+    assert str(spec.origin("flake")) == "$FDL_PREPARE_FLAKE"
+    assert str(spec.origin("state_dir")) == "$STATE_DIRECTORY, systemd's StateDirectory="
+    assert spec.origin("list_timeout_s").kind == "default"
+    assert [spec.origin(p).value for p in ("data.data_path", "ssh.port", "state_dir")] == ["/flag", 22, "/var/lib/fdl"]
+
+
+def test_origins_are_not_part_of_equality_and_a_spec_built_in_code_has_none():
+    assert config.resolve({"cpu_only": True}, {}, {}) == config.resolve({}, {"cpu_only": True}, {})
+    assert PrepareSpec(cpu_only=True).origin("cpu_only") is None
+
+
+def test_a_value_replaced_after_resolving_no_longer_claims_its_origin():
+    from dataclasses import replace
+
+    spec = config.resolve({"state_dir": "/srv/fdl"}, {}, {})
+    assert replace(spec, cpu_only=True).origin("state_dir") is not None
+    assert replace(spec, state_dir="/elsewhere").origin("state_dir") is None
+
+
+# -- rules across fields: one function for the config and for a spec built in code ------------
+
+
+def test_check_spec_refuses_cpu_only_with_a_cuda_libtorch_naming_the_spec_fields():
+    with pytest.raises(Fail) as caught:
+        config.check_spec(PrepareSpec(cpu_only=True, libtorch="cu128"))
+    assert caught.value.permanent
+    assert "cpu_only (from PrepareSpec.cpu_only)" in caught.value.message
+    assert 'libtorch is "cu128" (from PrepareSpec.libtorch)' in caught.value.message
+
+
+def test_check_spec_on_a_resolved_spec_names_where_its_values_came_from():
+    from dataclasses import replace
+
+    # A join loop may resolve a config and then change it: the rule still
+    # holds, and names the flag for what came from one and the field for the rest.
+    spec = replace(config.resolve({}, {"cpu_only": True}, {}), libtorch="cu126")
+    with pytest.raises(Fail) as caught:
+        config.check_spec(spec)
+    assert "cpu_only (from --cpu-only)" in caught.value.message
+    assert "(from PrepareSpec.libtorch)" in caught.value.message
+
+
+# -- URLs are normalised once, here -------------------------------------------------------------
+
+
+def test_urls_from_the_file_and_flags_lose_surrounding_spaces():
+    spec = config.resolve(
+        {"data_source": " sshfs://h/srv/d ", "source": {"from": " path:/srv/x "}}, {"flake": "\tpath:/srv/fdl\n"}, {}
+    )
+    assert spec.data.data_source == "sshfs://h/srv/d"
+    assert spec.source is not None and spec.source.from_ == "path:/srv/x"
+    assert spec.flake == "path:/srv/fdl"
+
+
+def test_urls_from_the_environment_lose_surrounding_spaces():
+    assert config.resolve({}, {}, {"FDL_PREPARE_FLAKE": " path:/nix/app "}).flake == "path:/nix/app"
+
+
+def test_check_spec_returns_the_spec_with_urls_stripped_and_leaves_a_normal_one_alone():
+    spec = PrepareSpec(source=SourceSpec(from_=" path:/srv/x ", bin="train"), flake="path:/srv/fdl ")
+    checked = config.check_spec(spec)
+    assert checked.source == SourceSpec(from_="path:/srv/x", bin="train")
+    assert checked.flake == "path:/srv/fdl"
+    assert config.check_spec(checked) is checked
+    resolved = config.resolve(FULL_TABLE, {}, {})
+    assert config.check_spec(resolved) is resolved
+
+
+def test_check_spec_leaves_other_strings_as_given():
+    spec = PrepareSpec(data=DataSpec(data_path=" /odd "), source=SourceSpec(from_="path:/x", build=" make "))
+    checked = config.check_spec(spec)
+    assert checked.data.data_path == " /odd " and checked.source is not None and checked.source.build == " make "

@@ -9,6 +9,7 @@ ExecStart is run as written to check the exit codes it acts on.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,8 +23,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 import pytest
 
-from module_fixtures import EvalError
+from module_fixtures import NIX_CONFIG, EvalError
 from prepare import config as prepare_config
+from prepare.fields import TABLE
 from prepare.cli import EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from prepare.fail import Fail
 
@@ -170,6 +172,42 @@ def test_every_option_is_documented_for_the_manual(evaluate_module):
         assert f"services.fdl-prepare.{name}" in names, name
     for option in unit.options:
         assert option["description"], option["name"]
+
+
+SETTINGS = "services.fdl-prepare.settings.join."
+
+
+def _type_descriptions(lib: Path, expressions: dict[str, str]) -> dict[str, str]:
+    """What the manual says for each `lib.types` expression, from the same lib."""
+    body = " ".join(f"{json.dumps(k)} = ({e}).description;" for k, e in expressions.items())
+    expression = f"let lib = import {lib}; in with lib.types; {{ {body} }}"
+    done = subprocess.run(
+        ["nix-instantiate", "--eval", "--strict", "--json", "--expr", expression],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, NIX_CONFIG=NIX_CONFIG),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_modules_typed_settings_are_the_field_tables_with_its_types(evaluate_module, module_nixpkgs_lib):
+    unit = evaluate_module(ENABLED)
+    typed = {
+        o["name"].removeprefix(SETTINGS): o
+        for o in unit.options
+        if o["name"].startswith(SETTINGS) and o["name"].removeprefix(SETTINGS) not in TABLE.subtables
+    }
+    wanted = {f.key: f for f in TABLE.fields if f.nix is not None}
+    # Both ways: a field the table says the module types is there, and the
+    # module types nothing the table does not know (or leaves free-form).
+    assert set(typed) == set(wanted)
+    types = _type_descriptions(module_nixpkgs_lib, {k: f.nix for k, f in wanted.items() if f.nix})
+    for key, f in wanted.items():
+        assert typed[key]["type"] == types[key], key
+        # Unset (null) leaves the key out of the file, so the table's default applies.
+        assert typed[key]["default"] in ("null", json.dumps(f.default)), key
 
 
 # -- the rendered settings -----------------------------------------------------

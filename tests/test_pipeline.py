@@ -50,3 +50,41 @@ def test_a_well_formed_cpu_only_spec_runs_the_cheap_steps_in_order(box: Path) ->
     assert list(done.timings) == ["gate", "data", "dirs"]
     assert done.devices is None
     assert (box / "home" / ".flodl" / "data").is_dir()
+
+
+def test_a_spec_from_code_with_cpu_only_and_a_cuda_libtorch_is_refused_before_any_step_runs(
+    box: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prepare import build
+
+    builds: list[PrepareSpec] = []
+    monkeypatch.setattr(build, "build", lambda spec, *args, **kwargs: builds.append(spec))
+    state = box / "state"
+    notes: list[str] = []
+    with pytest.raises(Fail) as caught:
+        prepare(PrepareSpec(cpu_only=True, libtorch="cu128", flake="path:/srv/fdl", state_dir=str(state)), notes)
+    assert caught.value.permanent
+    message = caught.value.message
+    assert "PrepareSpec.cpu_only" in message and "PrepareSpec.libtorch" in message and '"cu128"' in message
+    assert 'set libtorch to "cpu" or "auto"' in message
+    # No step ran: no note from the gate, no build (so no nix call), no state directory.
+    assert notes == [] and builds == [] and not state.exists()
+
+
+def test_a_source_url_from_code_reaches_the_build_without_surrounding_spaces(
+    box: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prepare import build
+
+    builds: list[PrepareSpec] = []
+
+    def fake_build(spec: PrepareSpec, *args: object, **kwargs: object) -> build.Built:
+        builds.append(spec)
+        return build.Built(libtorch=None, bin=None, args=None, run_id=None)
+
+    monkeypatch.setattr(build, "build", fake_build)
+    spec = PrepareSpec(cpu_only=True, libtorch="cpu", flake=" path:/srv/fdl ", source=SourceSpec(from_=" path:/srv/x "))
+    prepare(spec, [])
+    (built,) = builds
+    assert built.source is not None and built.source.from_ == "path:/srv/x"
+    assert built.flake == "path:/srv/fdl"

@@ -1,0 +1,484 @@
+"""The configuration's one field table: every [join] key, its flag, where it
+lands on a PrepareSpec, how its value is checked, its default, its
+environment fallback, its help text, and the type the NixOS module gives it.
+
+Everything else derives from `TABLE`: the CLI's options (`prepare.cli`), the
+TOML schema, the precedence in `resolve`, the checks a spec built in code
+gets (`check_spec`), the unknown-key suggestions (`prepare.config`), and the
+tests that hold `nix/module.nix` to it. Adding a key is one `Field` here, one
+attribute on the spec for the step that reads it, and, if the module types
+it, its option there (a test says so when it is missing).
+
+Rules that involve more than one field (`RULES`) live here too, and run the
+same way on a resolved config and on a spec a join loop built itself, so
+neither path can refuse what the other lets through.
+
+This module is imported on every start of the CLI, to build its options:
+it must stay as cheap as the CLI's own imports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import date, datetime, time
+from typing import Any
+
+from prepare.fail import permanent
+from prepare.spec import PrepareSpec
+
+FLAKE_ENV = "FDL_PREPARE_FLAKE"
+STATE_ENV = "STATE_DIRECTORY"
+
+# A problem with one value, or None when it is fine.
+Checker = Callable[[Any], "str | None"]
+
+
+# -- describing values, for messages ----------------------------------------------------------
+
+
+def kind_of(value: Any) -> str:
+    """What a value is, in TOML's words."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, Mapping):
+        return "a table"
+    if isinstance(value, (datetime, date, time)):
+        return "a date/time"
+    return type(value).__name__
+
+
+def show(value: Any) -> str:
+    """A value as it would be written in TOML, so the operator recognises it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} = {show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (datetime, date, time)):
+        return value.isoformat()
+    return repr(value)
+
+
+# -- checkers ---------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _string(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return f"expected a string, got {kind_of(value)}"
+    if not value.strip():
+        return "expected a non-empty string; leave it out to keep it unset"
+    return None
+
+
+def _boolean(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return None
+    return f"expected true or false (unquoted), got {kind_of(value)}"
+
+
+def _port(value: Any) -> str | None:
+    if not _is_int(value):
+        return f"expected an integer port from 1 to 65535, got {kind_of(value)}"
+    if not 1 <= value <= 65535:
+        return "expected a port from 1 to 65535"
+    return None
+
+
+def _seconds(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"expected a number of seconds greater than 0, got {kind_of(value)}"
+    if not math.isfinite(value) or value <= 0:
+        return "expected a finite number of seconds greater than 0"
+    return None
+
+
+def _devices(value: Any) -> str | None:
+    if not isinstance(value, (list, tuple)):
+        return f"expected an array of device indices such as [0, 1], got {kind_of(value)}"
+    if not value:
+        return (
+            "an empty list offers no device at all; leave it out to offer every visible device, "
+            "or set cpu_only for a box without one"
+        )
+    for item in value:
+        if not _is_int(item):
+            return f"expected device indices (integers from 0), but {show(item)} is {kind_of(item)}"
+        if item < 0:
+            return f"expected device indices from 0 up, got {item}"
+    seen = [d for i, d in enumerate(value) if d in value[:i]]
+    if seen:
+        return f"device {seen[0]} is listed twice"
+    return None
+
+
+def _strings(value: Any) -> str | None:
+    if not isinstance(value, (list, tuple)):
+        return f'expected an array of strings such as ["ServerAliveInterval=15"], got {kind_of(value)}'
+    for item in value:
+        if not isinstance(item, str):
+            return f"expected an array of strings, but {show(item)} is {kind_of(item)}"
+        if not item.strip():
+            return "expected non-empty strings, got an empty one"
+    return None
+
+
+def parse_devices(text: str, field: str = "--devices") -> list[int]:
+    """`0,1` -> [0, 1], for a flag or an environment variable. Bad input is a
+    permanent Fail naming `field`."""
+    parts = [p.strip() for p in text.split(",")]
+    # isascii: str.isdigit() also admits digits such as '²' that int() refuses.
+    if not text.strip() or any(not (p.isascii() and p.isdigit()) for p in parts):
+        raise permanent(
+            f"{field} {show(text)}: expected comma-separated device indices such as {field} 0,1 "
+            f"(omit it to offer every visible device)"
+        )
+    return [int(p) for p in parts]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _stripped(value: Any) -> Any:
+    return value.strip()
+
+
+# -- kinds of value -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One sort of value: how it is checked, written in TOML, given on the
+    command line, and stored on the spec."""
+
+    name: str
+    check: Checker
+    # What the flag's text is parsed into by the CLI; `list` is a repeatable flag.
+    flag_type: type
+    # How to write a value of this kind in TOML, for the "write it as" hint;
+    # None where quoting is the hint.
+    example: str | None = None
+    # A flag whose text needs more reading than flag_type gives (`--devices 0,1`).
+    read_flag: Callable[[str, str], Any] | None = None
+    # Into the type the spec declares, in its normal form. Both the config and
+    # check_spec apply it, so a value reaches the steps the same either way.
+    to_spec: Callable[[Any], Any] = _same
+
+
+STRING = Kind("string", _string, str)
+# A URL handed to Nix: surrounding spaces (easy to leave in a hand-edited file
+# or a join loop's string) would reach `nix flake prefetch` as part of it.
+URL = Kind("url", _string, str, to_spec=_stripped)
+BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
+PORT = Kind("port", _port, int, example="22")
+SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
+DEVICES = Kind("devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple)
+STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
+
+
+# -- fields --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Env:
+    """An environment variable that gives a field its default when neither a
+    flag nor the file sets it."""
+
+    name: str
+    # Said after the variable in messages, where its name alone would not say who set it.
+    note: str | None = None
+    # A variable holding a list whose first entry is the value.
+    separator: str | None = None
+
+    def read(self, env: Mapping[str, str]) -> str | None:
+        """The value, None when unset or empty."""
+        value = env.get(self.name)
+        if value and self.separator is not None:
+            value = value.split(self.separator, 1)[0]
+        return value or None
+
+
+@dataclass(frozen=True)
+class Field:
+    # Dotted below [join]: "ssh.port" is `port` in [join.ssh].
+    key: str
+    flag: str
+    # The attribute path on PrepareSpec: "ssh.port", "data.data_path".
+    spec: str
+    kind: Kind
+    help: str
+    metavar: str | None = None
+    # The spec's own default, which resolve gives when nothing else does.
+    default: Any = None
+    env: Env | None = None
+    # The type nix/module.nix gives settings.join.<key>, as a `lib.types`
+    # expression; None where the module passes the key free-form.
+    nix: str | None = None
+
+    @property
+    def table(self) -> str:
+        """The sub-table of [join] the key is in, "" for [join] itself."""
+        return self.key.rpartition(".")[0]
+
+    @property
+    def name(self) -> str:
+        """The key inside its table."""
+        return self.key.rpartition(".")[2]
+
+    @property
+    def param(self) -> str:
+        """The key as a Python identifier, for the CLI's parameters."""
+        return self.key.replace(".", "_")
+
+
+FIELDS: tuple[Field, ...] = (
+    Field(
+        key="data_path",
+        flag="--data-path",
+        spec="data.data_path",
+        kind=STRING,
+        metavar="PATH",
+        nix="nullOr str",
+        help="Dataset root (or where to mount data_source; default /flodl/data).",
+    ),
+    Field(
+        key="data_source",
+        flag="--data-source",
+        spec="data.data_source",
+        kind=URL,
+        metavar="URL",
+        nix="nullOr str",
+        help="sshfs://[user@]host[:port]/abs/path, mounted read-only at --data-path.",
+    ),
+    Field(
+        key="libtorch",
+        flag="--libtorch",
+        spec="libtorch",
+        kind=STRING,
+        metavar="VARIANT",
+        nix="nullOr str",
+        help="libtorch variant: auto, cpu, cu128, ... (whatever the flake provides).",
+    ),
+    Field(
+        key="devices",
+        flag="--devices",
+        spec="devices",
+        kind=DEVICES,
+        metavar="LIST",
+        nix="nullOr (listOf ints.unsigned)",
+        help="GPU indices this box offers, e.g. 0,1 (after CUDA_VISIBLE_DEVICES).",
+    ),
+    Field(
+        key="cpu_only",
+        flag="--cpu-only",
+        spec="cpu_only",
+        kind=BOOLEAN,
+        default=False,
+        nix="bool",
+        help="Skip the GPU gate (CPU-only workers, demos); only the cpu libtorch is allowed.",
+    ),
+    # The module writes `flake` from its own `flake` option, not a settings one.
+    Field(
+        key="flake",
+        flag="--flake",
+        spec="flake",
+        kind=URL,
+        metavar="URL",
+        env=Env(FLAKE_ENV),
+        help="Flake providing libtorch variants and the training build. Default: $FDL_PREPARE_FLAKE.",
+    ),
+    # Under the module, systemd's StateDirectory= decides it.
+    Field(
+        key="state_dir",
+        flag="--state-dir",
+        spec="state_dir",
+        kind=STRING,
+        metavar="DIR",
+        # systemd joins several StateDirectory= entries with ':'; the first is the unit's own.
+        env=Env(STATE_ENV, note="systemd's StateDirectory=", separator=":"),
+        help="Where GC roots of built outputs live. Default: $STATE_DIRECTORY (systemd), else a per-user directory.",
+    ),
+    # The module passes the timeouts free-form: the front end refuses a bad one at start.
+    Field(
+        key="list_timeout",
+        flag="--list-timeout",
+        spec="list_timeout_s",
+        kind=SECONDS,
+        metavar="SECONDS",
+        default=10.0,
+        help="Give up listing the dataset root after this long (dead mount). Default: 10.",
+    ),
+    Field(
+        key="build_timeout",
+        flag="--build-timeout",
+        spec="build_timeout_s",
+        kind=SECONDS,
+        metavar="SECONDS",
+        help="Abandon a build running longer than this (transient).",
+    ),
+    Field(
+        key="source.from",
+        flag="--source",
+        spec="source.from_",
+        kind=URL,
+        metavar="URL",
+        nix="nullOr str",
+        help="Training source as a flake URL (git+https://...?ref=..., path:...).",
+    ),
+    Field(
+        key="source.cwd",
+        flag="--source-cwd",
+        spec="source.cwd",
+        kind=STRING,
+        metavar="DIR",
+        nix="nullOr str",
+        help="Directory inside the source the build and run use.",
+    ),
+    Field(
+        key="source.build",
+        flag="--source-build",
+        spec="source.build",
+        kind=STRING,
+        metavar="CMD",
+        nix="nullOr str",
+        help="Build line for the source.",
+    ),
+    Field(
+        key="source.bin",
+        flag="--source-bin",
+        spec="source.bin",
+        kind=STRING,
+        metavar="NAME",
+        nix="nullOr str",
+        help="The training binary the build installs.",
+    ),
+    Field(
+        key="ssh.target",
+        flag="--ssh-target",
+        spec="ssh.target",
+        kind=STRING,
+        metavar="HOST",
+        nix="nullOr str",
+        help="ssh target of the controller tunnel.",
+    ),
+    Field(
+        key="ssh.port",
+        flag="--ssh-port",
+        spec="ssh.port",
+        kind=PORT,
+        metavar="PORT",
+        nix="nullOr port",
+        help="ssh port.",
+    ),
+    Field(
+        key="ssh.user",
+        flag="--ssh-user",
+        spec="ssh.user",
+        kind=STRING,
+        metavar="USER",
+        nix="nullOr str",
+        help="ssh user.",
+    ),
+    Field(
+        key="ssh.identity_file",
+        flag="--identity-file",
+        spec="ssh.identity_file",
+        kind=STRING,
+        metavar="PATH",
+        nix="nullOr str",
+        help="ssh identity file (used for the sshfs mount).",
+    ),
+    Field(
+        key="ssh.options",
+        flag="--ssh-option",
+        spec="ssh.options",
+        kind=STRINGS,
+        metavar="OPT",
+        default=(),
+        nix="nullOr (listOf str)",
+        help="ssh -o option, repeatable; replaces the file's list. These come first, so they win.",
+    ),
+)
+
+
+class Table:
+    """The fields, and the lookups the config and the CLI derive from them.
+    `spec_type` is the class a resolved config becomes."""
+
+    def __init__(self, fields: Sequence[Field], spec_type: type[PrepareSpec] = PrepareSpec) -> None:
+        self.fields = tuple(fields)
+        self.spec_type = spec_type
+        for attr in ("key", "flag", "spec", "param"):
+            seen = [getattr(f, attr) for f in self.fields]
+            twice = sorted({v for v in seen if seen.count(v) > 1})
+            if twice:
+                raise ValueError(f"two fields share the {attr} {twice[0]!r}")
+        self.by_key = {f.key: f for f in self.fields}
+        # [join] first, then its sub-tables, each with its keys in table order.
+        self.tables: dict[str, dict[str, Field]] = {"": {}}
+        for f in self.fields:
+            self.tables.setdefault(f.table, {})[f.name] = f
+        self.subtables = [t for t in self.tables if t]
+        self.flag_names = {f.key: f.flag for f in self.fields}
+        self.envs = {f.env.name: f.env for f in self.fields if f.env is not None}
+
+
+TABLE = Table(FIELDS)
+
+
+def nest(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """{"ssh.port": 22} -> {"ssh": {"port": 22}}: dotted keys in the [join]
+    table's shape, as the file has them."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        table, _, name = key.rpartition(".")
+        (out.setdefault(table, {}) if table else out)[name] = value
+    return out
+
+
+def value_at(obj: Any, path: str) -> Any:
+    """The value at a dotted attribute path, None where a step of it is None."""
+    for part in path.split("."):
+        if obj is None:
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+
+# -- rules across fields ---------------------------------------------------------------------------
+
+# Names where a spec value came from ("--cpu-only", "join.libtorch in the
+# config", "PrepareSpec.libtorch"), given its spec path.
+Where = Callable[[str], str]
+Rule = Callable[[PrepareSpec, Where], "str | None"]
+
+
+def _cpu_only_takes_the_cpu_libtorch(spec: PrepareSpec, where: Where) -> str | None:
+    if spec.cpu_only and spec.libtorch is not None and spec.libtorch not in ("cpu", "auto"):
+        return (
+            f"cpu_only (from {where('cpu_only')}) allows only the cpu libtorch, but libtorch is "
+            f'{show(spec.libtorch)} (from {where("libtorch")}): set libtorch to "cpu" or "auto", '
+            f"or drop cpu_only on a box with a GPU"
+        )
+    return None
+
+
+RULES: tuple[Rule, ...] = (_cpu_only_takes_the_cpu_libtorch,)
