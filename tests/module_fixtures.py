@@ -21,12 +21,13 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
+from console import console_script
 
 REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "module_eval.nix"
@@ -44,17 +45,6 @@ LINKED: dict[str, tuple[str, ...]] = {
     "git": ("git",),
     "systemd": ("systemctl",),
 }
-
-
-def console_script() -> list[str]:
-    """The installed `fdl-prepare`, as systemd would run it."""
-    beside = Path(sys.executable).parent / "fdl-prepare"
-    if beside.exists():
-        return [str(beside)]
-    found = shutil.which("fdl-prepare")
-    if found is not None:
-        return [found]
-    return [sys.executable, "-m", "prepare"]
 
 
 @dataclass
@@ -181,13 +171,7 @@ def module_nixpkgs_lib() -> Path:
 def module_fake_root(tmp_path: Path) -> Path:
     root = tmp_path / "pkgs"
     (root / "fdl-prepare" / "bin").mkdir(parents=True)
-    script = console_script()
-    target = root / "fdl-prepare" / "bin" / "fdl-prepare"
-    if len(script) == 1:
-        target.symlink_to(script[0])
-    else:
-        target.write_text(f"#!/bin/sh\nexec {shlex.join(script)} \"$@\"\n")
-        target.chmod(0o755)
+    (root / "fdl-prepare" / "bin" / "fdl-prepare").symlink_to(console_script())
     for package, programs in LINKED.items():
         bin_dir = root / package / "bin"
         bin_dir.mkdir(parents=True, exist_ok=True)

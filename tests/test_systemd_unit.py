@@ -15,8 +15,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from console import console_script
+from module_fixtures import REPO
 
-from module_fixtures import REPO, console_script
 from prepare.cli import EXIT_PERMANENT, EXIT_TRANSIENT
 
 UNIT = REPO / "systemd" / "fdl-prepare.service"
@@ -71,7 +72,7 @@ def installed_copy(tmp_path: Path, config: Path) -> Path:
     lines = []
     for line in UNIT.read_text().splitlines(keepends=True):
         if line.startswith("ExecStart="):
-            line = line.replace("/usr/local/bin/fdl-prepare", shlex.join(script))
+            line = line.replace("/usr/local/bin/fdl-prepare", shlex.quote(script))
             line = line.replace("/etc/fdl/prepare.toml", str(config))
         lines.append(line)
     text = "".join(lines)
