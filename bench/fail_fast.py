@@ -54,8 +54,9 @@ def main() -> int:
         if os.geteuid() == 0:
             home_ro = tmp / "home-ro"
             home_ro.mkdir()
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(home_ro)],
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(home_ro)], capture_output=True, text=True
+            )
             if done.returncode == 0:
                 mounted.append(home_ro)
                 cases.append(("HOME on a read-only tmpfs", home_ro))
@@ -64,13 +65,28 @@ def main() -> int:
         else:
             print("(skipping the read-only tmpfs case: needs root to mount)")
 
-        argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu",
-                "--flake", f"git+file://{REPO}?dir=tests/flake",
-                "--source", f"git+file://{REPO}?ref=main", "--state-dir", str(tmp / "state")]
+        argv = [
+            sys.executable,
+            "-m",
+            "prepare",
+            "--cpu-only",
+            "--libtorch",
+            "cpu",
+            "--flake",
+            f"git+file://{REPO}?dir=tests/flake",
+            "--source",
+            f"git+file://{REPO}?ref=main",
+            "--state-dir",
+            str(tmp / "state"),
+        ]
         print(f"nix: {real_nix or 'not installed (the shim counts calls all the same)'}")
         for name, home in cases:
-            env = {**os.environ, "HOME": str(home), "PATH": f"{shim_dir}:{os.environ.get('PATH', '')}",
-                   "NIX_CONFIG": NIX_CONFIG}
+            env = {
+                **os.environ,
+                "HOME": str(home),
+                "PATH": f"{shim_dir}:{os.environ.get('PATH', '')}",
+                "NIX_CONFIG": NIX_CONFIG,
+            }
             env.pop("FDL_PREPARE_CONFIG", None)
             times: list[float] = []
             for _ in range(args.n):
@@ -83,8 +99,10 @@ def main() -> int:
                     return 1
                 assert len(calls.read_text().splitlines()) == before, "nix ran before the refusal"
             last = done.stderr.strip().splitlines()
-            print(f"{name}: median {statistics.median(times) * 1000:.1f} ms (min {min(times) * 1000:.1f}, "
-                  f"max {max(times) * 1000:.1f}) over {args.n} runs, exit 78")
+            print(
+                f"{name}: median {statistics.median(times) * 1000:.1f} ms (min {min(times) * 1000:.1f}, "
+                f"max {max(times) * 1000:.1f}) over {args.n} runs, exit 78"
+            )
             print(f"  says: {next((line for line in last if 'permanent failure' in line), last[0] if last else '')}")
         print(f"nix invocations before the permanent Fail: {len(calls.read_text().splitlines())} (target 0)")
         return 0

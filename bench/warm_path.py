@@ -42,8 +42,13 @@ def flat_flake(dest: Path) -> str:
 
 def example_source(dest: Path) -> str:
     shutil.copytree(REPO / "examples" / "trainer", dest)
-    env = {**os.environ, "GIT_AUTHOR_NAME": "bench", "GIT_AUTHOR_EMAIL": "bench@fdl.invalid",
-           "GIT_COMMITTER_NAME": "bench", "GIT_COMMITTER_EMAIL": "bench@fdl.invalid"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "bench",
+        "GIT_AUTHOR_EMAIL": "bench@fdl.invalid",
+        "GIT_COMMITTER_NAME": "bench",
+        "GIT_COMMITTER_EMAIL": "bench@fdl.invalid",
+    }
     for argv in (["git", "init", "-q", "-b", "main"], ["git", "add", "-A"], ["git", "commit", "-qm", "example"]):
         subprocess.run(argv, cwd=dest, env=env, check=True)
     return f"git+file://{dest}?ref=main"
@@ -81,8 +86,21 @@ def main() -> int:
         state = tmp / "state"
         env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "HOME": str(tmp / "home")}
         (tmp / "home").mkdir()
-        cli = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", flake,
-               "--source", source, "--state-dir", str(state), "--json"]
+        cli = [
+            sys.executable,
+            "-m",
+            "prepare",
+            "--cpu-only",
+            "--libtorch",
+            "cpu",
+            "--flake",
+            flake,
+            "--source",
+            source,
+            "--state-dir",
+            str(state),
+            "--json",
+        ]
 
         seconds, done = timed(cli, env)  # warm-up: builds what is missing
         if done.returncode != 0:
@@ -98,11 +116,21 @@ def main() -> int:
         system = nix_mod.system()
         fdl = f"{flake}#legacyPackages.{system}.fdl"
         bare = runner._common() + [
-            "build", "--json", "--no-write-lock-file", "--no-eval-cache",
-            "--out-link", str(tmp / "bare" / "run"),
-            "--override-input", "source", fetched.pinned_url,
-            "--override-input", "recipe", f"path:{state / 'recipe'}",
-            f"{fdl}.libtorch.cpu", f"{fdl}.training", fetched.store_path,
+            "build",
+            "--json",
+            "--no-write-lock-file",
+            "--no-eval-cache",
+            "--out-link",
+            str(tmp / "bare" / "run"),
+            "--override-input",
+            "source",
+            fetched.pinned_url,
+            "--override-input",
+            "recipe",
+            f"path:{state / 'recipe'}",
+            f"{fdl}.libtorch.cpu",
+            f"{fdl}.training",
+            fetched.store_path,
         ]
         (tmp / "bare").mkdir()
         seconds, done = timed(bare, env)
@@ -110,8 +138,9 @@ def main() -> int:
             print(f"bare build failed:\n{done.stderr[-2000:]}", file=sys.stderr)
             return 1
 
-        spec = PrepareSpec(source=SourceSpec(from_=source), libtorch="cpu", cpu_only=True, flake=flake,
-                           state_dir=str(state))
+        spec = PrepareSpec(
+            source=SourceSpec(from_=source), libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(state)
+        )
         os.environ["HOME"] = str(tmp / "home")
         cli_s: list[float] = []
         bare_s: list[float] = []

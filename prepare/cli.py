@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from typing import Any, cast
 
 import typer
 
@@ -77,7 +77,7 @@ def _with_field_options(command: Callable[..., None], table: Table) -> Callable[
     params = [*own[:2], *(_option(f) for f in table.fields), *own[2:]]
     # typer reads a command's options from its signature, and a declared
     # __signature__ is what inspect.signature reports.
-    setattr(command, "__signature__", signature.replace(parameters=params))
+    cast(Any, command).__signature__ = signature.replace(parameters=params)
     return command
 
 
@@ -119,7 +119,7 @@ def make_app(table: Table = TABLE) -> typer.Typer:
     def run(
         ctx: typer.Context,
         *,
-        config: Optional[str] = typer.Option(
+        config: str | None = typer.Option(
             None,
             "--config",
             metavar="PATH",
@@ -128,7 +128,7 @@ def make_app(table: Table = TABLE) -> typer.Typer:
         as_json: bool = typer.Option(
             False, "--json", help="Print one JSON object on stdout: the Prepared, or the Fail."
         ),
-        version: Optional[bool] = typer.Option(
+        version: bool | None = typer.Option(
             None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
         ),
         **given: Any,
@@ -143,7 +143,7 @@ def make_app(table: Table = TABLE) -> typer.Typer:
     return app
 
 
-def _prepare(config_flag: Optional[str], flags: dict[str, Any], as_json: bool, table: Table = TABLE) -> int:
+def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, table: Table = TABLE) -> int:
     from prepare import config
     from prepare.pipeline import prepare
 
@@ -219,7 +219,7 @@ def gpus(
     try:
         survey = gate.survey(os.environ)
     except Fail as fail:
-        raise typer.Exit(_report_fail(fail, [], as_json))
+        raise typer.Exit(_report_fail(fail, [], as_json)) from None
     if as_json:
         print(json.dumps(survey.to_json()))
     else:

@@ -131,13 +131,10 @@ def _stage() -> tuple[str, str]:
             fix = f"create it (sudo mkdir -m 1777 {path}) or set TMPDIR to an existing directory"
         else:
             fix = f"create it (mkdir -p {path}) or point {_var(origin, 'TMPDIR')} at an existing directory"
-        raise permanent(
-            f"stage directory {path} (from {origin}) cannot be used: {human.oserror(exc)}; {fix}"
-        ) from None
+        raise permanent(f"stage directory {path} (from {origin}) cannot be used: {human.oserror(exc)}; {fix}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise permanent(
-            f"stage directory {path} (from {origin}) is not a directory; "
-            f"point {_var(origin, 'TMPDIR')} at a directory"
+            f"stage directory {path} (from {origin}) is not a directory; point {_var(origin, 'TMPDIR')} at a directory"
         )
     return path, origin
 
@@ -309,11 +306,6 @@ def _mount_of(path: str) -> mounts.Mount | None:
 # -- wording -----------------------------------------------------------------
 
 
-
-
 def _var(origin: str, fallback: str) -> str:
     head = origin.split("=", 1)[0].split(" ", 1)[0]
     return head if head in ("HOME", *STAGE_ENV) else fallback
-
-
-

@@ -42,6 +42,7 @@ card named by its GPU UUID; its instance ids are not checked.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -210,8 +211,7 @@ def survey(env: Mapping[str, str] | None = None) -> Gpus:
         import pynvml
     except ImportError:  # pragma: no cover - a declared dependency
         raise permanent(
-            "GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, "
-            f"{_CPU_ONLY}."
+            f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {_CPU_ONLY}."
         ) from None
 
     try:
@@ -244,11 +244,9 @@ def survey(env: Mapping[str, str] | None = None) -> Gpus:
         raw = env.get("CUDA_VISIBLE_DEVICES")
         visible, parse_notes = parse_visible_devices(raw, devices, mig_instances)
     finally:
-        try:
+        # Nothing useful to do if it fails: the survey already has its answers.
+        with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
-        except pynvml.NVMLError:
-            # Nothing useful to do: the survey already has its answers.
-            pass
 
     for d in devices:
         if not d.usable:
@@ -260,9 +258,7 @@ def survey(env: Mapping[str, str] | None = None) -> Gpus:
     if visible is not None:
         hidden = [d for d in devices if d.index not in visible]
         if hidden:
-            notes.append(
-                f"CUDA_VISIBLE_DEVICES={raw!r} hides " + ", ".join(d.label() for d in hidden) + "."
-            )
+            notes.append(f"CUDA_VISIBLE_DEVICES={raw!r} hides " + ", ".join(d.label() for d in hidden) + ".")
         if _uses_indices(raw) and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and _mixed(devices):
             notes.append(
                 f"CUDA_VISIBLE_DEVICES={raw!r} names cards by index, read here in NVML's PCI bus order; "
@@ -289,8 +285,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
     if spec.cpu_only:
         notes.append("GPU gate skipped: cpu_only is set, so only the cpu libtorch variant can be used.")
         if spec.devices is not None:
-            devices = ",".join(str(i) for i in spec.devices)
-            notes.append(f"devices ({devices}) is ignored with cpu_only: no GPU is offered to the run.")
+            listed = ",".join(str(i) for i in spec.devices)
+            notes.append(f"devices ({listed}) is ignored with cpu_only: no GPU is offered to the run.")
         return None
 
     gpus = survey()
@@ -370,7 +366,7 @@ def format_table(gpus: Gpus) -> str:
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
     lines = [head]
     for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths)] + [row[-1]]
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)] + [row[-1]]
         lines.append("  ".join(cells).rstrip())
     lines.append("offered: " + (", ".join(str(i) for i in gpus.offered_indices) or "none"))
     return "\n".join(lines)

@@ -13,6 +13,7 @@ to take breaks the exclusion.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -43,10 +44,8 @@ def open_lock(path: str) -> int:
             fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except FileExistsError:
             continue
-        try:
+        with contextlib.suppress(OSError):
             os.fchmod(fd, 0o644)
-        except OSError:
-            pass
         return fd
 
 

@@ -13,6 +13,7 @@ side or the network (transient).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import re
@@ -240,10 +241,8 @@ def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str
 def _discard(mountpoint: str) -> None:
     """Take down what a failed sshfs left at the mountpoint, if anything."""
     if _is_sshfs_at(mountpoint):
-        try:
+        with contextlib.suppress(Fail):
             _unmount(mountpoint)
-        except Fail:
-            pass
 
 
 def _is_sshfs_at(mountpoint: str) -> bool:

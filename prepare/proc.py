@@ -7,6 +7,7 @@ same everywhere, and tests have one seam to reason about. Built on `sh`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -145,18 +146,22 @@ def _text(data: bytes | str | None) -> str:
 
 def _kill_on_timeout(running: Any, timed_out: threading.Event) -> None:
     timed_out.set()
-    try:
+    # Gone already: nothing left to kill.
+    with contextlib.suppress(ProcessLookupError):
         running.signal_group(signal.SIGKILL)
-    except Exception:
-        pass  # already gone
 
 
 def _stop(running: Any) -> None:
+    """Stop the child's group while the caller unwinds. Nothing raised here
+    may replace the caller's exception: sh reports the child's death by our
+    SIGTERM as an exception of its own, and a group can be gone already."""
+    import sh
+
     try:
         running.signal_group(signal.SIGTERM)
         running.wait(timeout=10)
-    except Exception:
-        try:
+    except (sh.SignalException, ProcessLookupError):
+        return
+    except sh.TimeoutException:
+        with contextlib.suppress(ProcessLookupError):
             running.signal_group(signal.SIGKILL)
-        except Exception:
-            pass

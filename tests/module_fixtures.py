@@ -111,10 +111,18 @@ class ModuleEvaluator:
             "--strict",
             "--json",
             str(HARNESS),
-            "--argstr", "libPath", str(self.lib),
-            "--argstr", "configuration", str(host),
-            "--argstr", "fakeRoot", str(self.fake_root),
-            "--argstr", "systemdVersion", systemd_version,
+            "--argstr",
+            "libPath",
+            str(self.lib),
+            "--argstr",
+            "configuration",
+            str(host),
+            "--argstr",
+            "fakeRoot",
+            str(self.fake_root),
+            "--argstr",
+            "systemdVersion",
+            systemd_version,
         ]
         env = dict(os.environ, NIX_CONFIG=NIX_CONFIG)
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)

@@ -282,7 +282,9 @@ def state_dir(tmp_path: Path) -> str:
 
 def valid_path(path: str) -> bool:
     done = subprocess.run(
-        ["nix-store", "--check-validity", path], capture_output=True, text=True,
+        ["nix-store", "--check-validity", path],
+        capture_output=True,
+        text=True,
         env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
     )
     return done.returncode == 0
@@ -302,7 +304,6 @@ def procs_with(text: str) -> list[tuple[int, str]]:
         if text in cmdline:
             found.append((int(entry), cmdline))
     return found
-
 
 
 @pytest.fixture

@@ -187,8 +187,18 @@ def fake_nvml() -> Iterator[FakeNvml]:
     try:
         subprocess.run(
             [
-                gcc, "-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-fvisibility=hidden",
-                f"-Wl,-soname,{SONAME}", "-o", str(lib_dir / SONAME), str(SOURCE),
+                gcc,
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                "-Wextra",
+                "-Werror",
+                "-fvisibility=hidden",
+                f"-Wl,-soname,{SONAME}",
+                "-o",
+                str(lib_dir / SONAME),
+                str(SOURCE),
             ],
             check=True,
             capture_output=True,
@@ -217,9 +227,7 @@ def _load_into_this_process(fake: FakeNvml) -> None:
 
 
 @pytest.fixture
-def nvml_box(
-    fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Callable[..., FakeBox]:
+def nvml_box(fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeBox]:
     _load_into_this_process(fake_nvml)
 
     def make(gpus: Sequence[FakeGpu] = (), **kw: object) -> FakeBox:

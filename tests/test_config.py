@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+import other_user
 import pytest
 
-import other_user
 from prepare import config
 from prepare.fail import Fail
 from prepare.spec import DataSpec, PrepareSpec, SourceSpec, SshSpec
@@ -180,7 +178,7 @@ def test_a_misspelt_join_table_is_refused_rather_than_ignored(write, header):
     assert f"[{header}]" in fail.message and "[join]" in fail.message and str(path) in fail.message
 
 
-@pytest.mark.parametrize("text", ["join = 3\n", "[[join]]\ndata_path = \"/x\"\n"])
+@pytest.mark.parametrize("text", ["join = 3\n", '[[join]]\ndata_path = "/x"\n'])
 def test_join_that_is_not_a_table_is_permanent(write, text):
     path = write(text)
     fail = load_fail(path)
@@ -190,13 +188,13 @@ def test_join_that_is_not_a_table_is_permanent(write, text):
 
 BAD_TOML = [
     # (text, line, words the message must carry)
-    ('[join]\ndata_path = /flodl/data\n', 2, ['strings need double quotes: data_path = "/flodl/data"']),
+    ("[join]\ndata_path = /flodl/data\n", 2, ['strings need double quotes: data_path = "/flodl/data"']),
     ('[join]\ndata_path = "/flodl/data\n', 2, ["closing quote"]),
-    ('[join]\nport 22\n', 2, ["Expected '='"]),
+    ("[join]\nport 22\n", 2, ["Expected '='"]),
     ('[join\ndata_path = "/x"\n', 1, []),
-    ('[join]\ndevices = [0, 1\n', 3, []),
-    ('[join]\n[join]\n', 2, ["table header appears twice"]),
-    ('[join]\ncpu_only = True\n', 2, []),
+    ("[join]\ndevices = [0, 1\n", 3, []),
+    ("[join]\n[join]\n", 2, ["table header appears twice"]),
+    ("[join]\ncpu_only = True\n", 2, []),
 ]
 
 
@@ -212,7 +210,7 @@ def test_a_toml_syntax_error_is_permanent_with_file_line_and_column(write, text,
 
 
 def test_a_syntax_error_shows_the_line_and_a_caret_under_the_column(write):
-    fail = load_fail(write('[join]\ndata_path = /flodl/data\n'))
+    fail = load_fail(write("[join]\ndata_path = /flodl/data\n"))
     shown = fail.message.split("\n")
     assert shown[1] == "    data_path = /flodl/data"
     assert shown[2] == "    " + " " * 12 + "^"
@@ -298,17 +296,17 @@ WRONG_TYPES = [
     ("join", "data_path", "42", ["expected a string", 'quote it: data_path = "42"']),
     ("join", "data_path", '""', ["expected a non-empty string"]),
     ("join", "data_source", "true", ["expected a string"]),
-    ("join", "libtorch", "[\"cpu\"]", ["expected a string"]),
+    ("join", "libtorch", '["cpu"]', ["expected a string"]),
     ("join", "devices", '"0,1"', ["expected an array", "write it as a list: devices = [0, 1]"]),
     ("join", "devices", "0", ["expected an array", "devices = [0]"]),
     ("join", "devices", "[-1]", ["from 0 up"]),
-    ("join", "devices", "[0, \"1\"]", ['"1" is a string']),
+    ("join", "devices", '[0, "1"]', ['"1" is a string']),
     ("join", "devices", "[true]", ["is a boolean"]),
     ("join", "devices", "[0, 0]", ["listed twice"]),
     ("join", "devices", "[]", ["offers no device"]),
     ("join", "cpu_only", '"true"', ["expected true or false", "cpu_only = true"]),
     ("join", "cpu_only", "1", ["expected true or false"]),
-    ("join", "flake", "{ url = \"x\" }", ["expected a string, got a table"]),
+    ("join", "flake", '{ url = "x" }', ["expected a string, got a table"]),
     ("join", "state_dir", "1979-05-27", ["expected a string, got a date/time"]),
     ("join", "list_timeout", '"30"', ["expected a number", "list_timeout = 30"]),
     ("join", "list_timeout", "0", ["greater than 0"]),
@@ -318,7 +316,7 @@ WRONG_TYPES = [
     ("join", "build_timeout", "nan", ["finite"]),
     ("join.source", "from", "1", ["expected a string"]),
     ("join.source", "cwd", "false", ["expected a string"]),
-    ("join.source", "build", "[\"cargo\", \"build\"]", ["expected a string, got an array"]),
+    ("join.source", "build", '["cargo", "build"]', ["expected a string, got an array"]),
     ("join.source", "bin", "3.5", ["expected a string"]),
     ("join.ssh", "target", "10", ["expected a string"]),
     ("join.ssh", "port", '"22"', ["expected an integer", "port = 22"]),
@@ -334,9 +332,7 @@ WRONG_TYPES = [
 
 
 @pytest.mark.parametrize(("table", "key", "value", "words"), WRONG_TYPES)
-def test_a_wrong_type_is_permanent_and_names_the_key_the_value_and_the_expected_type(
-    write, table, key, value, words
-):
+def test_a_wrong_type_is_permanent_and_names_the_key_the_value_and_the_expected_type(write, table, key, value, words):
     path = write(f"[{table}]\n{key} = {value}\n")
     fail = load_fail(path)
     assert fail.kind == "permanent"
@@ -352,7 +348,9 @@ def test_every_key_of_the_schema_has_a_wrong_type_case():
     assert schema <= covered, schema - covered
 
 
-@pytest.mark.parametrize(("text", "key"), [('[join]\nsource = "x"\n', "join.source"), ("[join]\nssh = 22\n", "join.ssh")])
+@pytest.mark.parametrize(
+    ("text", "key"), [('[join]\nsource = "x"\n', "join.source"), ("[join]\nssh = 22\n", "join.ssh")]
+)
 def test_a_table_key_given_a_plain_value_is_permanent(write, text, key):
     fail = load_fail(write(text))
     assert fail.kind == "permanent" and f"{key} (line 2)" in fail.message and "expected a table" in fail.message
@@ -454,7 +452,9 @@ def test_a_flag_for_one_field_leaves_the_files_other_fields_alone():
     assert spec.data == DataSpec(data_path="/elsewhere", data_source=FULL_TABLE["data_source"])
     assert spec.libtorch == "auto" and spec.devices == (0, 1) and spec.flake == "github:example/fdl"
     assert spec.source == SourceSpec(
-        from_="git+https://git.example/train.git?ref=main", cwd=".", build="cargo build --release",
+        from_="git+https://git.example/train.git?ref=main",
+        cwd=".",
+        build="cargo build --release",
         bin="target/release/train",
     )
     assert spec.ssh.port == 2222 and spec.ssh.user == "worker"
@@ -470,7 +470,10 @@ def test_source_fields_merge_field_by_field():
 def test_ssh_fields_merge_field_by_field():
     spec = config.resolve(FULL_TABLE, {"ssh": {"port": 22}}, {})
     assert spec.ssh == SshSpec(
-        target="controller.example", port=22, user="worker", identity_file="/etc/fdl/id_ed25519",
+        target="controller.example",
+        port=22,
+        user="worker",
+        identity_file="/etc/fdl/id_ed25519",
         options=("ServerAliveInterval=15", "StrictHostKeyChecking=accept-new"),
     )
 

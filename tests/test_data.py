@@ -386,6 +386,7 @@ def test_an_unreadable_data_path_is_permanent_when_the_kernel_refuses_the_listin
 
 # -- sshfs, for real -------------------------------------------------------------------
 
+
 def _only_mount(point: Path) -> mounts.Mount:
     at = [m for m in mounts.read() if m.mount_point == str(point)]
     assert len(at) == 1, at
@@ -602,7 +603,9 @@ def test_a_bad_option_in_an_ssh_config_file_is_permanent_too(
     config = tmp_path / "ssh_config"
     config.write_text("Bogus yes\n")
     point = sshfs_mounts.point()
-    spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), extra=(f"ssh_command=ssh -F {config}",))
+    spec = sshd.spec(
+        data_source=sshd.source(remote_tree), data_path=str(point), extra=(f"ssh_command=ssh -F {config}",)
+    )
     fail = _fail(spec)
     assert fail.kind == "permanent", fail.message
     assert f"{config}: line 1: Bad configuration option: bogus" in fail.message

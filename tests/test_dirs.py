@@ -9,16 +9,14 @@ import multiprocessing
 import os
 import pwd
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+import other_user
 import pytest
 
-import other_user
 from prepare import dirs, mounts
 from prepare.fail import Fail
 

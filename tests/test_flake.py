@@ -19,9 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import module_fixtures
+import pytest
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,8 +95,9 @@ def sri_sha256(data: bytes) -> str:
 
 
 def test_the_variants_metadata_has_the_contract_shape(env, test_flake):
-    got = nix_json(env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply",
-                   "f: { inherit (f) contract variants; }")
+    got = nix_json(
+        env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply", "f: { inherit (f) contract variants; }"
+    )
 
     assert got["contract"] == 1
     assert got["variants"] == {
@@ -107,8 +107,10 @@ def test_the_variants_metadata_has_the_contract_shape(env, test_flake):
 
 
 def test_reading_the_variants_instantiates_no_derivation(env, make_flake):
-    flake = make_flake(extra_nix='toolchain: { lazy = { cuda = null; archs = [ "8.6" ]; '
-                                 'package = throw "the lazy variant was instantiated"; }; }')
+    flake = make_flake(
+        extra_nix='toolchain: { lazy = { cuda = null; archs = [ "8.6" ]; '
+        'package = throw "the lazy variant was instantiated"; }; }'
+    )
 
     got = nix_json(env, "eval", "--no-write-lock-file", f"{flake}#{FDL}.variants")
     building = nix(env, "build", "--no-link", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.lazy")
@@ -119,8 +121,10 @@ def test_reading_the_variants_instantiates_no_derivation(env, make_flake):
 
 
 def test_a_variant_with_malformed_archs_is_refused_naming_it(env, make_flake):
-    flake = make_flake(extra_nix="toolchain: { sm86 = { cuda = \"12.8\"; archs = [ 86 ]; "
-                                 "package = toolchain.mkLibtorch { label = \"sm86\"; }; }; }")
+    flake = make_flake(
+        extra_nix='toolchain: { sm86 = { cuda = "12.8"; archs = [ 86 ]; '
+        'package = toolchain.mkLibtorch { label = "sm86"; }; }; }'
+    )
 
     done = nix(env, "eval", "--json", "--no-write-lock-file", f"{flake}#{FDL}.variants")
 
@@ -134,8 +138,7 @@ def test_a_variant_with_malformed_archs_is_refused_naming_it(env, make_flake):
 def test_a_recipe_without_bin_is_refused_at_evaluation_naming_bin(env, test_flake, tmp_path):
     recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", cwd=".", build=None)
 
-    done = nix(env, "build", "--no-link", f"{test_flake}#{FDL}.training",
-               *overrides(prefetch(env, EXAMPLE), recipe))
+    done = nix(env, "build", "--no-link", f"{test_flake}#{FDL}.training", *overrides(prefetch(env, EXAMPLE), recipe))
 
     assert done.returncode != 0
     assert "fdl-prepare flake: recipe.json has no `bin`" in done.stderr
@@ -168,8 +171,15 @@ def test_the_example_trainer_builds_and_its_binary_runs(env, test_flake, tmp_pat
     recipe = write_recipe(tmp_path / "recipe", **example_recipe())
     link = tmp_path / "gcroots" / "run"
 
-    built = nix_json(env, "build", "--out-link", str(link), f"{test_flake}#{FDL}.libtorch.cpu",
-                     f"{test_flake}#{FDL}.training", *overrides(prefetch(env, EXAMPLE), recipe))
+    built = nix_json(
+        env,
+        "build",
+        "--out-link",
+        str(link),
+        f"{test_flake}#{FDL}.libtorch.cpu",
+        f"{test_flake}#{FDL}.training",
+        *overrides(prefetch(env, EXAMPLE), recipe),
+    )
     libtorch, training = (entry["outputs"]["out"] for entry in built)
     ran = subprocess.run([f"{training}/bin/train", "--epochs", "1"], capture_output=True, text=True, timeout=10)
 
@@ -182,8 +192,15 @@ def test_the_example_trainer_builds_and_its_binary_runs(env, test_flake, tmp_pat
 
 def test_a_second_build_with_nothing_changed_builds_nothing(env, test_flake, tmp_path):
     recipe = write_recipe(tmp_path / "recipe", **example_recipe())
-    args = ["build", "--json", "--no-link", "--log-format", "internal-json", f"{test_flake}#{FDL}.training",
-            *overrides(prefetch(env, EXAMPLE), recipe)]
+    args = [
+        "build",
+        "--json",
+        "--no-link",
+        "--log-format",
+        "internal-json",
+        f"{test_flake}#{FDL}.training",
+        *overrides(prefetch(env, EXAMPLE), recipe),
+    ]
 
     first = nix(env, *args)
     second = nix(env, *args)
@@ -209,12 +226,14 @@ def test_a_build_line_that_exits_3_fails_the_build_with_exit_code_3(env, test_fl
 
 def test_the_toolchains_fixed_output_helper_checks_its_hash(env, make_flake):
     right, wrong = sri_sha256(b"hello"), sri_sha256(b"not hello")
-    flake = make_flake(extra_nix=(
-        "toolchain: {\n"
-        f'  good = {{ cuda = null; archs = [ ]; package = toolchain.fixedOutput {{ name = "good"; text = "hello"; hash = "{right}"; }}; }};\n'
-        f'  bad = {{ cuda = null; archs = [ ]; package = toolchain.fixedOutput {{ name = "bad"; text = "hello"; hash = "{wrong}"; }}; }};\n'
-        "}\n"
-    ))
+    flake = make_flake(
+        extra_nix=(
+            "toolchain: {\n"
+            f'  good = {{ cuda = null; archs = [ ]; package = toolchain.fixedOutput {{ name = "good"; text = "hello"; hash = "{right}"; }}; }};\n'
+            f'  bad = {{ cuda = null; archs = [ ]; package = toolchain.fixedOutput {{ name = "bad"; text = "hello"; hash = "{wrong}"; }}; }};\n'
+            "}\n"
+        )
+    )
 
     good = nix(env, "build", "--no-link", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.good")
     bad = nix(env, "build", "--no-link", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.bad")
@@ -231,8 +250,11 @@ def test_the_toolchains_fixed_output_helper_checks_its_hash(env, make_flake):
 def test_the_test_flake_evaluates_from_the_repository_through_git(env):
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("not a git checkout")
-    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "tests/flake/flake.nix", "nix/contract.nix"],
-                             capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "tests/flake/flake.nix", "nix/contract.nix"],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     if len(tracked) < 2:
         pytest.skip("tests/flake and nix/ are not tracked yet: git+file sees tracked files only")
 
@@ -305,8 +327,17 @@ def test_the_production_flake_reads_its_variants_without_importing_nixpkgs(env, 
     throwing = standin(tmp_path, 'throw "nixpkgs was imported"\n')
     apply = "f: { inherit (f) contract variants; }"
 
-    got = nix_json(env, "eval", "--no-write-lock-file", f"{production}#{FDL}", "--apply", apply,
-                   "--override-input", "nixpkgs", throwing)
+    got = nix_json(
+        env,
+        "eval",
+        "--no-write-lock-file",
+        f"{production}#{FDL}",
+        "--apply",
+        apply,
+        "--override-input",
+        "nixpkgs",
+        throwing,
+    )
     shared = nix_json(env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply", apply)
 
     assert got == shared
@@ -332,20 +363,25 @@ def test_a_locked_production_flake_reads_variants_and_recipe_without_fetching_ni
         assert rev, "flake.nix must pin nixpkgs by a full revision"
         node = {**NIXPKGS_LOCK, "rev": rev.group(1)}
         original = {key: node[key] for key in ("owner", "repo", "type", "rev")}
-        (dest / "flake.lock").write_text(json.dumps({
-            "nodes": {
-                "nixpkgs": {"locked": node, "original": original},
-                "root": {"inputs": {"nixpkgs": "nixpkgs", "recipe": [], "source": []}},
-            },
-            "root": "root",
-            "version": 7,
-        }))
+        (dest / "flake.lock").write_text(
+            json.dumps(
+                {
+                    "nodes": {
+                        "nixpkgs": {"locked": node, "original": original},
+                        "root": {"inputs": {"nixpkgs": "nixpkgs", "recipe": [], "source": []}},
+                    },
+                    "root": "root",
+                    "version": 7,
+                }
+            )
+        )
     recipe = write_recipe(tmp_path / "recipe", libtorch="cu128", bin="train")
     quiet = ["--log-format", "internal-json", "--option", "download-attempts", "1"]
 
     variants = nix(env, "eval", "--json", "--no-write-lock-file", f"{production}#{FDL}.variants", *quiet)
-    checked = nix(env, "eval", "--json", f"{production}#{FDL}.recipe", *quiet,
-                  *overrides(prefetch(env, EXAMPLE), recipe))
+    checked = nix(
+        env, "eval", "--json", f"{production}#{FDL}.recipe", *quiet, *overrides(prefetch(env, EXAMPLE), recipe)
+    )
 
     for done in (variants, checked):
         assert done.returncode == 0, done.stderr
@@ -357,8 +393,8 @@ def test_a_locked_production_flake_reads_variants_and_recipe_without_fetching_ni
 
 def test_the_documented_downstream_flake_adds_a_variant_without_editing_this_repository(env, production, tmp_path):
     contract = (REPO / "nix" / "CONTRACT.md").read_text()
-    section = contract[contract.index("## Adding a variant"):]
-    example = section[section.index("```nix\n") + len("```nix\n"):section.index("\n```\n")]
+    section = contract[contract.index("## Adding a variant") :]
+    example = section[section.index("```nix\n") + len("```nix\n") : section.index("\n```\n")]
     downstream = tmp_path / "downstream"
     downstream.mkdir()
     (downstream / "flake.nix").write_text(example.replace('"github:<owner>/fdl-prepare"', f'"{production}"'))
@@ -395,11 +431,23 @@ def test_the_production_training_build_gets_libtorch_out_and_dev(env, production
     recipe = write_recipe(tmp_path / "recipe", libtorch="cu128", cwd="crates/train", build=None, bin="train")
     common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, tmp_path / "source"), recipe)]
 
-    training = nix_json(env, "eval", f"{production}#{FDL}.training", "--apply",
-                        "t: { inherit (t) pname version src LIBTORCH LIBTORCH_LIB LIBTORCH_INCLUDE doCheck builtWith;"
-                        " lock = t.cargoLock.lockFile; }", *common)
-    libtorch = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cu128", "--apply",
-                        "d: { out = d.out.outPath; dev = d.dev.outPath; }", *common)
+    training = nix_json(
+        env,
+        "eval",
+        f"{production}#{FDL}.training",
+        "--apply",
+        "t: { inherit (t) pname version src LIBTORCH LIBTORCH_LIB LIBTORCH_INCLUDE doCheck builtWith;"
+        " lock = t.cargoLock.lockFile; }",
+        *common,
+    )
+    libtorch = nix_json(
+        env,
+        "eval",
+        f"{production}#{FDL}.libtorch.cu128",
+        "--apply",
+        "d: { out = d.out.outPath; dev = d.dev.outPath; }",
+        *common,
+    )
 
     assert training["builtWith"] == "buildRustPackage"
     assert training["LIBTORCH"] == training["LIBTORCH_LIB"] == libtorch["out"]
@@ -412,8 +460,14 @@ def test_the_production_training_build_gets_libtorch_out_and_dev(env, production
 def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, production, nixpkgs):
     common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
 
-    app = nix_json(env, "eval", f"{production}#packages.{SYSTEM}.fdl-prepare", "--apply",
-                   "a: { inherit (a) pname version makeWrapperArgs; }", *common)
+    app = nix_json(
+        env,
+        "eval",
+        f"{production}#packages.{SYSTEM}.fdl-prepare",
+        "--apply",
+        "a: { inherit (a) pname version makeWrapperArgs; }",
+        *common,
+    )
     program = nix_json(env, "eval", f"{production}#apps.{SYSTEM}.prepare.program", *common)
 
     args = app["makeWrapperArgs"]
@@ -437,9 +491,14 @@ def test_the_flake_checks_run_the_gates_and_the_formatter_is_nixfmt(env, product
     shutil.copytree(REPO / "tests", dest / "tests", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "bench", dest / "bench")
 
-    gates = nix_json(env, "eval", f"{production}#checks.{SYSTEM}.gates", "--apply",
-                     "g: { inherit (g) name script builtWith; tools = map (t: t.outPath) g.nativeBuildInputs; }",
-                     *common)
+    gates = nix_json(
+        env,
+        "eval",
+        f"{production}#checks.{SYSTEM}.gates",
+        "--apply",
+        "g: { inherit (g) name script builtWith; tools = map (t: t.outPath) g.nativeBuildInputs; }",
+        *common,
+    )
     app = nix_json(env, "eval", f"{production}#checks.{SYSTEM}.app.builtWith", *common)
     formatter = nix_json(env, "eval", f"{production}#formatter.{SYSTEM}.outPath", *common)
 
@@ -453,8 +512,11 @@ def test_the_flake_checks_run_the_gates_and_the_formatter_is_nixfmt(env, product
 
 @pytest.mark.parametrize(
     "path",
-    ["flake.nix", *sorted(f"nix/{p.name}" for p in (REPO / "nix").glob("*.nix") if p.name != "module.nix"),
-     *sorted(f"tests/flake/{p.name}" for p in (REPO / "tests" / "flake").glob("*.nix"))],
+    [
+        "flake.nix",
+        *sorted(f"nix/{p.name}" for p in (REPO / "nix").glob("*.nix") if p.name != "module.nix"),
+        *sorted(f"tests/flake/{p.name}" for p in (REPO / "tests" / "flake").glob("*.nix")),
+    ],
 )
 def test_every_flake_file_parses(path):
     if shutil.which("nix-instantiate") is None:

@@ -45,16 +45,29 @@ def three_cards() -> list[FakeGpu]:
     # Two UUIDs share a prefix, so prefix matching has something to be
     # ambiguous about.
     return [
-        FakeGpu(name="NVIDIA A100-SXM4-80GB", uuid="GPU-aaaa1111-0000-0000-0000-000000000000", capability=(8, 0), memory=80 << 30),
-        FakeGpu(name="NVIDIA A100-SXM4-80GB", uuid="GPU-aaaa2222-0000-0000-0000-000000000000", capability=(8, 0), memory=80 << 30),
-        FakeGpu(name="NVIDIA A100-SXM4-80GB", uuid="GPU-bbbb3333-0000-0000-0000-000000000000", capability=(8, 0), memory=80 << 30),
+        FakeGpu(
+            name="NVIDIA A100-SXM4-80GB",
+            uuid="GPU-aaaa1111-0000-0000-0000-000000000000",
+            capability=(8, 0),
+            memory=80 << 30,
+        ),
+        FakeGpu(
+            name="NVIDIA A100-SXM4-80GB",
+            uuid="GPU-aaaa2222-0000-0000-0000-000000000000",
+            capability=(8, 0),
+            memory=80 << 30,
+        ),
+        FakeGpu(
+            name="NVIDIA A100-SXM4-80GB",
+            uuid="GPU-bbbb3333-0000-0000-0000-000000000000",
+            capability=(8, 0),
+            memory=80 << 30,
+        ),
     ]
 
 
 def run_python(code: str, env: dict[str, str]) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -64,7 +77,11 @@ def run_python(code: str, env: dict[str, str]) -> dict:
 
 def test_a_survey_reports_every_card_with_name_uuid_capability_and_memory(nvml_box):
     nvml_box(
-        [FakeGpu(), FakeGpu(name="NVIDIA GeForce GTX 1080 Ti", capability=(6, 1), memory=11 << 30), FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory=80 << 30)],
+        [
+            FakeGpu(),
+            FakeGpu(name="NVIDIA GeForce GTX 1080 Ti", capability=(6, 1), memory=11 << 30),
+            FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory=80 << 30),
+        ],
         driver="565.57.01",
         cuda=(12, 7),
     )
@@ -420,7 +437,13 @@ def test_devices_and_cuda_visible_devices_that_share_no_card_are_permanent(nvml_
 
 
 def test_the_table_aligns_its_columns_and_marks_every_status(nvml_box, monkeypatch):
-    nvml_box([FakeGpu(), FakeGpu(name="NVIDIA GeForce GTX 1080 Ti", capability=(6, 1), memory=11 << 30), FakeGpu(fail=GPU_IS_LOST, fail_on="uuid")])
+    nvml_box(
+        [
+            FakeGpu(),
+            FakeGpu(name="NVIDIA GeForce GTX 1080 Ti", capability=(6, 1), memory=11 << 30),
+            FakeGpu(fail=GPU_IS_LOST, fail_on="uuid"),
+        ]
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
     gpus = gate.check(PrepareSpec(), [])
     table = gate.format_table(gpus)

@@ -22,12 +22,12 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 import pytest
-
 from module_fixtures import NIX_CONFIG, EvalError
+
 from prepare import config as prepare_config
-from prepare.fields import TABLE
 from prepare.cli import EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
 from prepare.fail import Fail
+from prepare.fields import TABLE
 
 ENABLED = "{ services.fdl-prepare.enable = true; }"
 
@@ -159,7 +159,9 @@ def test_execstart_runs_the_package_with_the_rendered_config(evaluate_module):
 def test_the_package_option_replaces_the_flakes_front_end(evaluate_module, tmp_path):
     mine = tmp_path / "my-fdl-prepare"
     unit = evaluate_module(
-        host(f'package = {{ type = "derivation"; name = "fdl-prepare-dev"; outPath = "{mine}"; outputs = [ "out" ]; }};')
+        host(
+            f'package = {{ type = "derivation"; name = "fdl-prepare-dev"; outPath = "{mine}"; outputs = [ "out" ]; }};'
+        )
     )
     assert unit.exec_start[0] == f"{mine}/bin/fdl-prepare"
 
@@ -167,8 +169,17 @@ def test_the_package_option_replaces_the_flakes_front_end(evaluate_module, tmp_p
 def test_every_option_is_documented_for_the_manual(evaluate_module):
     unit = evaluate_module(ENABLED)
     names = {o["name"] for o in unit.options}
-    for name in ("enable", "package", "flake", "settings", "settings.join.data_source",
-                 "settings.join.ssh.identity_file", "settings.join.source.from", "before", "sshAuthSock"):
+    for name in (
+        "enable",
+        "package",
+        "flake",
+        "settings",
+        "settings.join.data_source",
+        "settings.join.ssh.identity_file",
+        "settings.join.source.from",
+        "before",
+        "sshAuthSock",
+    ):
         assert f"services.fdl-prepare.{name}" in names, name
     for option in unit.options:
         assert option["description"], option["name"]
@@ -309,12 +320,12 @@ def test_a_mistyped_typed_option_is_refused_at_evaluation_naming_the_option(eval
 def test_the_toml_writer_stand_in_round_trips_awkward_strings_and_keys(evaluate_module):
     unit = evaluate_module(
         host(
-            r'''
+            r"""
             flake = null;
             settings.join.source.build = "make \"all\" && echo 'done' # not a comment\n\tnext line \\ back";
             settings.join.source.bin = "träin-ü";
             settings.other = { "a.b" = 1; "with space" = [ true false ]; nested.deeper = { x = 1.5; }; };
-            '''
+            """
         )
     )
     loaded = tomllib.loads(unit.config_path.read_text())
@@ -495,16 +506,16 @@ def _run_exec_start(unit, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_generated_execstart_exits_78_on_a_permanent_failure_which_stops_the_loop(evaluate_module, tmp_path):
-    unit = evaluate_module(
-        host(f'settings.join = {{ cpu_only = true; data_path = "{tmp_path}/nonexistent"; }};')
-    )
+    unit = evaluate_module(host(f'settings.join = {{ cpu_only = true; data_path = "{tmp_path}/nonexistent"; }};'))
     done = _run_exec_start(unit, tmp_path)
     assert done.returncode == 78, done.stderr
     assert "permanent failure" in done.stderr and "data_path" in done.stderr
     assert done.returncode in unit.prevent_exit_statuses
 
 
-def test_the_generated_execstart_exits_75_on_a_transient_failure_which_is_retried(evaluate_module, tmp_path, forget_mount_lock_of):
+def test_the_generated_execstart_exits_75_on_a_transient_failure_which_is_retried(
+    evaluate_module, tmp_path, forget_mount_lock_of
+):
     if shutil.which("sshfs") is None:
         pytest.skip("sshfs is not installed (apt install sshfs)")
     mountpoint = tmp_path / "mnt"

@@ -70,9 +70,7 @@ def test_lines_that_do_not_have_the_documented_shape_are_skipped_not_fatal() -> 
 
 
 def test_stacked_mounts_answer_with_the_one_on_top() -> None:
-    table = mounts.parse(
-        "50 27 0:50 / /stack rw - tmpfs below rw\n51 50 0:51 / /stack rw - tmpfs above rw\n"
-    )
+    table = mounts.parse("50 27 0:50 / /stack rw - tmpfs below rw\n51 50 0:51 / /stack rw - tmpfs above rw\n")
     found = mounts.mounted_at("/stack", table)
     assert found is not None and found.source == "above"
     assert mounts.mounted_at("/stack/inner", table) is None
@@ -144,9 +142,7 @@ def test_a_real_mount_at_a_path_with_an_escaped_character_is_found_by_its_real_n
 
 
 @pytest.mark.mounts
-def test_a_real_mount_at_a_name_that_is_not_utf8_round_trips(
-    tmp_path: Path, tmpfs_at: Callable[..., None]
-) -> None:
+def test_a_real_mount_at_a_name_that_is_not_utf8_round_trips(tmp_path: Path, tmpfs_at: Callable[..., None]) -> None:
     point = os.fsencode(str(tmp_path)) + b"/caf\xe9 \xff"
     tmpfs_at(point)
     found = mounts.mounted_at(os.fsdecode(point))
@@ -187,9 +183,7 @@ def test_a_mount_is_found_through_a_symlinked_parent_and_through_a_symlink_to_it
 
 
 @pytest.mark.mounts
-def test_a_directory_below_a_mount_is_not_itself_a_mountpoint(
-    tmp_path: Path, tmpfs_at: Callable[..., None]
-) -> None:
+def test_a_directory_below_a_mount_is_not_itself_a_mountpoint(tmp_path: Path, tmpfs_at: Callable[..., None]) -> None:
     tmpfs_at(tmp_path / "m")
     (tmp_path / "m" / "inner").mkdir()
     assert mounts.mounted_at(str(tmp_path / "m" / "inner")) is None

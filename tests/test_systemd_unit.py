@@ -161,8 +161,18 @@ def test_the_plain_unit_and_the_nixos_module_share_one_restart_policy(unit, eval
             return "yes"
         return str(value)
 
-    for key in ("Type", "RemainAfterExit", "Restart", "RestartSec", "RestartSteps", "RestartMaxDelaySec",
-                "RestartPreventExitStatus", "StateDirectory", "StateDirectoryMode", "User"):
+    for key in (
+        "Type",
+        "RemainAfterExit",
+        "Restart",
+        "RestartSec",
+        "RestartSteps",
+        "RestartMaxDelaySec",
+        "RestartPreventExitStatus",
+        "StateDirectory",
+        "StateDirectoryMode",
+        "User",
+    ):
         assert norm(service[key]) == one(unit, "Service", key), key
     assert norm(unit_config["StartLimitIntervalSec"]) == one(unit, "Unit", "StartLimitIntervalSec")
     assert norm(unit_config["Wants"]) == one(unit, "Unit", "Wants")
@@ -179,9 +189,7 @@ def test_the_exit_codes_the_unit_acts_on_are_the_clis(unit):
 
 
 def test_a_permanent_failure_exits_78_and_stops_the_restart_loop(unit, tmp_path):
-    done = run_like_the_unit(
-        unit, tmp_path, f'[join]\ncpu_only = true\ndata_path = "{tmp_path}/nonexistent"\n'
-    )
+    done = run_like_the_unit(unit, tmp_path, f'[join]\ncpu_only = true\ndata_path = "{tmp_path}/nonexistent"\n')
     assert done.returncode == 78, done.stderr
     assert "fdl-prepare: permanent failure:" in done.stderr
     assert "exit 78" in done.stderr
@@ -198,9 +206,7 @@ def test_a_transient_failure_exits_75_and_the_restart_loop_retries_it(unit, tmp_
     done = run_like_the_unit(
         unit,
         tmp_path,
-        "[join]\ncpu_only = true\n"
-        'data_source = "sshfs://root@127.0.0.1:1/srv/data"\n'
-        f'data_path = "{mountpoint}"\n',
+        f'[join]\ncpu_only = true\ndata_source = "sshfs://root@127.0.0.1:1/srv/data"\ndata_path = "{mountpoint}"\n',
     )
     assert done.returncode == 75, done.stderr
     assert "fdl-prepare: transient failure:" in done.stderr
