@@ -40,6 +40,7 @@ python3Packages.buildPythonApplication {
     nvidia-ml-py
     sh
     typer
+    rich
   ];
 
   # nix and the fuse helpers go last on PATH: a host's own nix matches its
