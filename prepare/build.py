@@ -49,6 +49,7 @@ from urllib.parse import parse_qs, urlsplit
 from prepare import config, dirs, human, locks
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
+from prepare.nix_log import Log, store_name
 from prepare import variants as variants_mod
 from prepare.fail import permanent
 from prepare.spec import Binary, Libtorch, PrepareSpec
@@ -408,7 +409,7 @@ def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step:
 
 
 def _short(installable: str) -> str:
-    return installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1] if "#" in installable else nix_mod.store_name(installable)
+    return installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1] if "#" in installable else store_name(installable)
 
 
 def _write_recipe(state: str, recipe: dict[str, Any]) -> str:
@@ -477,7 +478,7 @@ def _identify(results: list[dict[str, Any]], bin_: str | None,
         name = os.path.basename(bin_)
         holding = [r for r in built if os.path.exists(os.path.join(r["outputs"].get("out", ""), "bin", name))]
         if len(holding) > 1:
-            holding = [r for r in holding if "libtorch" not in nix_mod.store_name(r["drvPath"])] or holding[:1]
+            holding = [r for r in holding if "libtorch" not in store_name(r["drvPath"])] or holding[:1]
         if holding:
             training = holding[0]
     rest = [r for r in built if r is not training]
@@ -499,7 +500,7 @@ def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:
 
 
 
-def _note_build(log: nix_mod.Log, results: list[dict[str, Any]], label: str, libtorch_path: str,
+def _note_build(log: Log, results: list[dict[str, Any]], label: str, libtorch_path: str,
                 training_path: str | None, notes: list[str]) -> None:
     built_drvs = {a.fields[0] for a in log.builds() if a.fields}
     substituted = {a.fields[0] for a in log.substitutions() if a.fields}
@@ -515,14 +516,14 @@ def _note_build(log: nix_mod.Log, results: list[dict[str, Any]], label: str, lib
         elif training_path in outputs:
             what = "the training binary"
         else:
-            what = nix_mod.store_name(result["drvPath"])
+            what = store_name(result["drvPath"])
         if result["drvPath"] in built_drvs:
             made.append(what)
         elif outputs & substituted:
             fetched.append(what)
         else:
             already.append(what)
-    other = sorted(nix_mod.store_name(d) for d in built_drvs
+    other = sorted(store_name(d) for d in built_drvs
                    if d not in {r.get("drvPath") for r in results})
     if already:
         notes.append(f"already in the store: {', '.join(already)}")
