@@ -39,7 +39,6 @@ its cwd.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import time
@@ -49,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import config, dirs, human, locks
+from prepare import config, dirs, human, locks, outputs
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import variants as variants_mod
@@ -436,7 +435,7 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
     installables = [f"{session.fdl}.libtorch.{variant.label}"]
     overrides: dict[str, str] = {}
     if source is not None:
-        recipe_dir = _write_recipe(session.state, source.recipe.flake_input(variant.label, CONTRACT))
+        recipe_dir = outputs.write_recipe(session.state, source.recipe.flake_input(variant.label, CONTRACT))
         overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
         installables += [f"{session.fdl}.training", source.fetched.store_path]
     session.step("build", ", ".join(_short(i) for i in installables))
@@ -450,7 +449,7 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
         doing=f"building libtorch {variant.label}"
         + (f" and the training binary from {source.fetched.url!r}" if source is not None else ""),
     )
-    _prune_links(out_link, _outputs(results))
+    outputs.prune_links(out_link, outputs.store_paths(results))
     return _built(session, variant, source, results, log)
 
 
@@ -477,8 +476,8 @@ def _built(
 ) -> Built:
     """What the build made, told apart, and what the run needs of it."""
     recipe = source.recipe if source is not None else None
-    libtorch_path, training_path = _identify(results, recipe.bin if recipe else None)
-    _note_build(log, results, variant.label, libtorch_path, training_path, session.notes)
+    libtorch_path, training_path = outputs.identify(results, recipe.bin if recipe else None)
+    outputs.note_build(log, results, variant.label, libtorch_path, training_path, session.notes)
     libtorch = Libtorch(path=libtorch_path, variant=variant.label)
     if source is None or recipe is None:
         return Built(libtorch=libtorch, bin=None, args=None, run_id=None)
@@ -498,82 +497,6 @@ def _short(installable: str) -> str:
     return installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1] if "#" in installable else store_name(installable)
 
 
-def _write_recipe(state: str, recipe: dict[str, Any]) -> str:
-    """recipe.json, alone in its directory (the flake input copies the whole
-    directory into the store), replaced atomically."""
-    directory = os.path.join(state, "recipe")
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(state, f"recipe.json.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(recipe, handle, sort_keys=True, indent=2)
-        handle.write("\n")
-    os.replace(tmp, os.path.join(directory, "recipe.json"))
-    for stray in os.listdir(directory):
-        if stray != "recipe.json":
-            _remove(os.path.join(directory, stray))
-    return directory
-
-
-def _remove(path: str) -> None:
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            import shutil
-
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def _outputs(results: list[dict[str, Any]]) -> set[str]:
-    paths: set[str] = set()
-    for result in results:
-        if "path" in result:
-            paths.add(result["path"])
-        for path in (result.get("outputs") or {}).values():
-            paths.add(path)
-    return paths
-
-
-def _prune_links(out_link: str, paths: set[str]) -> None:
-    """Drop out-links left by an earlier attempt that built more things
-    (`run-3` from a build with one more output): they would pin old
-    outputs forever."""
-    directory, base = os.path.split(out_link)
-    for name in os.listdir(directory):
-        if name != base and not name.startswith(base + "-"):
-            continue
-        link = os.path.join(directory, name)
-        if os.path.islink(link) and os.readlink(link) not in paths:
-            try:
-                os.unlink(link)
-            except OSError:
-                pass
-
-
-def _identify(results: list[dict[str, Any]], bin_: str | None) -> tuple[str, str | None]:
-    """Which result is libtorch and which the training binary. Nix does not
-    keep the installables' order in its JSON, so the training output is the
-    one that holds the recipe's bin (the contract says it installs it to
-    $out/bin/), and libtorch is the other derivation."""
-    built = [r for r in results if "drvPath" in r]
-    training = None
-    if bin_ is not None and len(built) > 1:
-        name = os.path.basename(bin_)
-        holding = [r for r in built if os.path.exists(os.path.join(r["outputs"].get("out", ""), "bin", name))]
-        if len(holding) > 1:
-            holding = [r for r in holding if "libtorch" not in store_name(r["drvPath"])] or holding[:1]
-        if holding:
-            training = holding[0]
-    rest = [r for r in built if r is not training]
-    libtorch = rest[0] if rest else built[0]
-    outputs = libtorch.get("outputs") or {}
-    libtorch_path = outputs.get("out") or next(iter(outputs.values()))
-    training_path = (training.get("outputs") or {}).get("out") if training else None
-    return libtorch_path, training_path
-
-
 def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:
     rev = (fetched.locked or {}).get("rev") if fetched.locked else None
     notes.append(
@@ -581,42 +504,3 @@ def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:
         + (f" (rev {str(rev)[:12]})" if rev else "")
         + f", {fetched.nar_hash}"
     )
-
-
-def _note_build(
-    log: Log, results: list[dict[str, Any]], label: str, libtorch_path: str, training_path: str | None, notes: list[str]
-) -> None:
-    built_drvs = {a.fields[0] for a in log.builds() if a.fields}
-    substituted = {a.fields[0] for a in log.substitutions() if a.fields}
-    already: list[str] = []
-    made: list[str] = []
-    fetched: list[str] = []
-    for result in results:
-        if "drvPath" not in result:
-            continue
-        outputs = set((result.get("outputs") or {}).values())
-        if libtorch_path in outputs:
-            what = f"libtorch {label}"
-        elif training_path in outputs:
-            what = "the training binary"
-        else:
-            what = store_name(result["drvPath"])
-        if result["drvPath"] in built_drvs:
-            made.append(what)
-        elif outputs & substituted:
-            fetched.append(what)
-        else:
-            already.append(what)
-    other = sorted(store_name(d) for d in built_drvs if d not in {r.get("drvPath") for r in results})
-    if already:
-        notes.append(f"already in the store: {', '.join(already)}")
-    if made or other:
-        seconds = sum((a.stopped or a.started) - a.started for a in log.builds())
-        notes.append(f"built: {', '.join(made + other)} ({seconds:.1f}s of builds)")
-    if fetched or log.transfers():
-        notes.append(
-            f"downloaded: {human.size(log.bytes_downloaded)} in {len(log.transfers())} transfer(s)"
-            + (f" ({', '.join(fetched)} from a binary cache)" if fetched else "")
-        )
-    elif not made and not other:
-        notes.append("nothing built, nothing downloaded")

@@ -100,9 +100,6 @@ class Outcome:
         return self.completed.returncode == 0
 
 
-_VERSIONS: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
-
-
 class Nix:
     """The one place `nix` argv is built. `state_dir` holds the empty flake
     registry; `env` replaces the environment (tests set NIX_CONFIG)."""
@@ -150,65 +147,22 @@ class Nix:
 
     # -- version -------------------------------------------------------------
     def check_version(self) -> tuple[int, int, int]:
-        """The Nix version, refusing one older than OLDEST.
-
-        Asking costs a process start (~50 ms, more through the seam's
-        timeout), on every attempt of a loop whose warm path should cost
-        little more than the build itself. The answer depends only on the
-        binary, so it is kept per (real path, inode, size, mtime), in memory
-        and in the state directory; an upgrade replaces the file and asks
-        again."""
+        """The Nix version, refusing one older than OLDEST (see `_version`
+        for why asking is cached)."""
         path_var = (self.env or os.environ).get("PATH")
         resolved = self.program if os.sep in self.program else proc.which(self.program, path=path_var)
         if resolved is None or not os.path.exists(resolved):
             raise self._missing()
-        real = os.path.realpath(resolved)
-        st = os.stat(real)
-        key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
-        version = _VERSIONS.get(key) or self._cached_version(key)
-        if version is None:
-            try:
-                done = proc.run([resolved, "--version"], timeout=60, env=self.env)
-            except proc.Missing:
-                raise self._missing() from None
-            except proc.TimedOut:
-                raise transient(f"`{resolved} --version` did not answer within 60s; the next attempt retries") from None
-            version = parse_nix_version(done.stdout)
-            if done.returncode != 0 or version is None:
-                raise permanent(
-                    f"`{resolved} --version` failed (exit {done.returncode}): "
-                    f"{strip_ansi(done.stderr or done.stdout).strip()[:500]!r}; reinstall nix: {INSTALL}"
-                )
-            self._remember_version(key, version)
-        _VERSIONS[key] = version
+        try:
+            version = _version(resolved, self.env, os.path.join(self.state_dir, "nix-version.json"))
+        except proc.Missing:
+            raise self._missing() from None
         if version[:2] < OLDEST:
             raise permanent(
                 f"nix {'.'.join(map(str, version))} at {resolved} is older than {'.'.join(map(str, OLDEST))}, the "
                 f"oldest fdl-prepare supports (flakes and `nix build --json`); {INSTALL}"
             )
         return version
-
-    def _version_file(self) -> str:
-        return os.path.join(self.state_dir, "nix-version.json")
-
-    def _cached_version(self, key: tuple[str, int, int, int]) -> tuple[int, int, int] | None:
-        try:
-            with open(self._version_file(), encoding="utf-8") as handle:
-                data = json.load(handle)
-            if tuple(data["key"]) == key:
-                return tuple(int(x) for x in data["version"])  # type: ignore[return-value]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        return None
-
-    def _remember_version(self, key: tuple[str, int, int, int], version: tuple[int, int, int]) -> None:
-        try:
-            tmp = f"{self._version_file()}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as handle:
-                json.dump({"key": list(key), "version": list(version)}, handle)
-            os.replace(tmp, self._version_file())
-        except OSError:
-            pass  # only a cache: the next attempt asks again
 
     # -- calls ---------------------------------------------------------------
     def eval_json(
@@ -320,6 +274,61 @@ class Nix:
         if not outcome.ok:
             raise explain(phase, log, completed.returncode, doing, fix=fix, source_path=source_path)
         return outcome
+
+
+_VersionKey = tuple[str, int, int, int]
+_VERSIONS: dict[_VersionKey, tuple[int, int, int]] = {}
+
+
+def _version(resolved: str, env: Mapping[str, str] | None, cache_file: str) -> tuple[int, int, int]:
+    """The version of the nix at `resolved`.
+
+    Asking costs a process start (~50 ms, more through the seam's
+    timeout), on every attempt of a loop whose warm path should cost
+    little more than the build itself. The answer depends only on the
+    binary, so it is kept per (real path, inode, size, mtime), in memory
+    and in the state directory; an upgrade replaces the file and asks
+    again."""
+    real = os.path.realpath(resolved)
+    st = os.stat(real)
+    key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
+    version = _VERSIONS.get(key) or _cached_version(cache_file, key)
+    if version is None:
+        try:
+            done = proc.run([resolved, "--version"], timeout=60, env=env)
+        except proc.TimedOut:
+            raise transient(f"`{resolved} --version` did not answer within 60s; the next attempt retries") from None
+        version = parse_nix_version(done.stdout)
+        if done.returncode != 0 or version is None:
+            raise permanent(
+                f"`{resolved} --version` failed (exit {done.returncode}): "
+                f"{strip_ansi(done.stderr or done.stdout).strip()[:500]!r}; reinstall nix: {INSTALL}"
+            )
+        _remember_version(cache_file, key, version)
+    _VERSIONS[key] = version
+    return version
+
+
+def _cached_version(cache_file: str, key: _VersionKey) -> tuple[int, int, int] | None:
+    try:
+        with open(cache_file, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if tuple(data["key"]) == key:
+            major, minor, patch = (int(x) for x in data["version"])
+            return major, minor, patch
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _remember_version(cache_file: str, key: _VersionKey, version: tuple[int, int, int]) -> None:
+    try:
+        tmp = f"{cache_file}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump({"key": list(key), "version": list(version)}, handle)
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # only a cache: the next attempt asks again
 
 
 def _enterable_by_others(path: str) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prepare.progress import Event, Progress
+    from prepare.progress import Progress
 
 # Activity types (nix/src/libutil/logging.hh).
 ACT_COPY_PATH = 100
@@ -72,6 +72,12 @@ class Activity:
         if self.type == ACT_FILE_TRANSFER and isinstance(first, str) and first:
             return first
         return strip_ansi(self.text)
+
+
+def _is_fetching(act: Activity) -> bool:
+    """An untyped activity whose text says it is fetching something: shown
+    as a download, like a typed file transfer."""
+    return act.type == 0 and act.text.lower().startswith("fetching ")
 
 
 class Log:
@@ -141,17 +147,12 @@ class Log:
             started=time.monotonic(),
         )
         self.activities[act.id] = act
-        low = act.text.lower()
         if act.type == ACT_BUILD:
-            self._emit(
-                {"type": "build-start", "id": act.id, "name": act.name, "drv": act.fields[0] if act.fields else None}
-            )
-        elif act.type == ACT_FILE_TRANSFER:
-            self._emit({"type": "download-start", "id": act.id, "name": act.name})
+            self._emit("build-start", act, drv=act.fields[0] if act.fields else None)
+        elif act.type == ACT_FILE_TRANSFER or _is_fetching(act):
+            self._emit("download-start", act)
         elif act.type == ACT_SUBSTITUTE:
-            self._emit({"type": "substitute-start", "id": act.id, "name": act.name})
-        elif act.type == 0 and low.startswith("fetching "):
-            self._emit({"type": "download-start", "id": act.id, "name": strip_ansi(act.text)})
+            self._emit("substitute-start", act)
 
     def _stop(self, record: dict[str, Any]) -> None:
         act = self.activities.get(int(record["id"]))
@@ -160,28 +161,22 @@ class Log:
         act.stopped = time.monotonic()
         seconds = round(act.stopped - act.started, 3)
         if act.type == ACT_BUILD:
-            if self.builds_done > self._done_seen:
-                self._done_seen += 1
-                act.outcome = "built"
-            elif self.builds_failed > self._failed_seen:
-                self._failed_seen += 1
-                act.outcome = "failed"
-            else:
-                act.outcome = "stopped"
-            self._emit(
-                {
-                    "type": "build-done",
-                    "id": act.id,
-                    "name": act.name,
-                    "seconds": seconds,
-                    "ok": act.outcome == "built",
-                    "outcome": act.outcome,
-                }
-            )
-        elif act.type == ACT_FILE_TRANSFER or (act.type == 0 and act.text.lower().startswith("fetching ")):
-            self._emit({"type": "download-done", "id": act.id, "name": act.name, "bytes": act.done, "seconds": seconds})
+            act.outcome = self._build_outcome()
+            self._emit("build-done", act, seconds=seconds, ok=act.outcome == "built", outcome=act.outcome)
+        elif act.type == ACT_FILE_TRANSFER or _is_fetching(act):
+            self._emit("download-done", act, bytes=act.done, seconds=seconds)
         elif act.type == ACT_SUBSTITUTE:
-            self._emit({"type": "substitute-done", "id": act.id, "name": act.name, "seconds": seconds})
+            self._emit("substitute-done", act, seconds=seconds)
+
+    def _build_outcome(self) -> str:
+        """How the build whose activity just stopped ended (see builds_done)."""
+        if self.builds_done > self._done_seen:
+            self._done_seen += 1
+            return "built"
+        if self.builds_failed > self._failed_seen:
+            self._failed_seen += 1
+            return "failed"
+        return "stopped"
 
     def _result(self, record: dict[str, Any]) -> None:
         act = self.activities.get(int(record.get("id", -1)))
@@ -193,26 +188,19 @@ class Log:
             act.log.append(strip_ansi(str(fields[0])))
         elif kind == RES_SET_PHASE and fields and act.type == ACT_BUILD:
             act.phase = str(fields[0])
-            self._emit({"type": "build-phase", "id": act.id, "name": act.name, "phase": act.phase})
+            self._emit("build-phase", act, phase=act.phase)
         elif kind == RES_PROGRESS and len(fields) >= 4 and act.type == ACT_BUILDS:
             self.builds_done, self.builds_failed = int(fields[0]), int(fields[3])
         elif kind == RES_PROGRESS and len(fields) >= 2 and act.type == ACT_FILE_TRANSFER:
             act.done, act.expected = int(fields[0]), int(fields[1])
-            self._emit(
-                {
-                    "type": "download-progress",
-                    "id": act.id,
-                    "name": act.name,
-                    "done": act.done,
-                    "expected": act.expected,
-                }
-            )
+            self._emit("download-progress", act, done=act.done, expected=act.expected)
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, kind: str, act: Activity, **fields: Any) -> None:
+        """A progress event (prepare.progress lists them) about `act`."""
         if self.on_event is not None:
             # A broken display must not break the build.
             with contextlib.suppress(Exception):
-                self.on_event(event)
+                self.on_event({"type": kind, "id": act.id, "name": act.name, **fields})
 
     # -- what happened ---------------------------------------------------
     def builds(self) -> list[Activity]:
