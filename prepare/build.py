@@ -303,12 +303,12 @@ class Session:
     state directory and the Nix runner that uses it, the progress step
     emitter, and `<state>/lock`.
 
-    Made with the lock held, like a file made open: the wait for another
-    prepare is over (or has failed) before the first evaluation, and
-    `with session:` lets go of the lock and ends the progress display. The
-    lock covers the evaluation, the fetch and the build alike: the recipe
-    and the out-links they write are the state directory's, one set for the
-    box."""
+    Made with the lock held (as `open` returns a file already open): the
+    wait for another prepare is over, or has failed, before the first
+    evaluation; `with session:` lets go of the lock and ends the progress
+    display. The lock covers the evaluation, the fetch and the build alike:
+    the recipe and the out-links they write are the state directory's, one
+    set for the box."""
 
     def __init__(
         self, spec: PrepareSpec, notes: list[str], flake: str, state: str, nix: nix_mod.Nix, step: _Phases

@@ -1,4 +1,4 @@
-"""The one wrapper around the `nix` command, and what its failures mean.
+"""The one wrapper around the `nix` command.
 
 Every call goes through `Nix`, which holds the flags every call shares:
 
@@ -19,8 +19,8 @@ Every call goes through `Nix`, which holds the flags every call shares:
   set", which would hide the `throw` message a 3 a.m. operator needs
   (nix/CONTRACT.md). The flake's evaluation costs milliseconds anyway.
 
-A failed call becomes a `Fail` through `nix_diagnosis` (what the phase and
-the error records mean), reading the log that `nix_log.Log` folded.
+Each call's stderr is folded by `nix_log.Log` as it arrives; a call that
+fails becomes a `Fail` in `nix_diagnosis`, from its phase and that log.
 """
 
 from __future__ import annotations
@@ -261,13 +261,10 @@ class Nix:
             completed = self._run(argv, timeout, log)
         except proc.TimedOut as late:
             what = "the build" if phase == BUILD else "nix"
+            slow_fix = "Raise build_timeout_s (--build-timeout) if the build is legitimately slow; "
             raise transient(
                 f"{doing} did not finish within {late.timeout:g}s; {what} was stopped. "
-                + (
-                    "Raise build_timeout_s (--build-timeout) if the build is legitimately slow; "
-                    if phase == BUILD
-                    else ""
-                )
+                + (slow_fix if phase == BUILD else "")
                 + "the next attempt retries"
             ) from None
         outcome = Outcome(completed, log)

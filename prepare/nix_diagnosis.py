@@ -6,9 +6,9 @@ zero/non-zero: `nix build` exits 1 for a failed builder where `nix-store
 --realise` exits 100, and the daemon and remote builders lose the 1xx codes
 (NixOS/nix #8782, #4813, #12641).
 
-Nix words the same failure differently across versions: each pattern below
-keeps, beside it, which version said what, and matches the meaning rather
-than one version's spelling.
+Nix words the same failure differently across versions, so the patterns
+match the meaning rather than one version's spelling; where one is there for
+a version's own words, the comment beside it says which version said what.
 """
 
 from __future__ import annotations
