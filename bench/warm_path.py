@@ -171,7 +171,7 @@ def main() -> int:
         print(f"bare nix build (same argv) median {med_bare * 1000:7.1f} ms  (min {min(bare_s) * 1000:.1f})")
         print(f"prepare() in-process       median {med_lib * 1000:7.1f} ms  (min {min(lib_s) * 1000:.1f})")
         for step, values in steps.items():
-            print(f"  CLI step {step:<6} median {statistics.median(values) * 1000:7.1f} ms")
+            print(f"  CLI step {step:<7} median {statistics.median(values) * 1000:7.1f} ms")
         print(f"ratio CLI / bare build:        {med_cli / med_bare:.2f}x  (target <= 1.25x)")
         print(f"ratio prepare() / bare build:  {med_lib / med_bare:.2f}x")
         print(f"interpreter start-up and CLI:  {(med_cli - med_lib) * 1000:.1f} ms")

@@ -1,26 +1,28 @@
 """Steps 4 and 5: a libtorch variant that serves this box's cards, and the
 training binary built from the published source against it.
 
-The order inside is as load-bearing as the pipeline's:
+The order inside is as load-bearing as the pipeline's, which calls each
+part (`build` runs them in the same order):
 
-1. The spec is checked first (a flake named, a pinned source URL, neither
-   one a path Nix would resolve against the working directory, sane box
-   recipe values): no nix call is spent on a config that cannot work.
+1. `start`: the spec is checked first (a flake named, a pinned source URL,
+   neither one a path Nix would resolve against the working directory, sane
+   box recipe values): no nix call is spent on a config that cannot work.
    Then `<state>/lock`: a second prepare on the box waits for the first
    (saying so), bounded, since afterwards its own run is a warm no-op.
-2. The variant and its arch coverage come from *evaluating* the flake's
-   `fdl.variants`: nothing is fetched or built before a card that the
-   variant ships no kernel for is refused (permanent).
-3. The training source is fetched once per attempt (`nix flake prefetch`),
-   which re-resolves a moving ref, so a re-dial after a new publish sees the
-   new commit. The build then gets *that* tree by store path and NAR hash
-   (`--override-input source path:<store>?narHash=`), never the URL: the ref
-   cannot move between fetch and build.
-4. The manifest is read from the fetched tree and merged over the box's
-   recipe; the result goes to the flake as `recipe.json` in a directory under
-   the state directory (`--override-input recipe path:<dir>`), which is how it
-   reaches the build with evaluation kept pure.
-5. One `nix build` of libtorch, the training binary and the source tree, with
+2. `choose_variant`: the variant and its arch coverage come from
+   *evaluating* the flake's `fdl.variants`: nothing is fetched or built
+   before a card that the variant ships no kernel for is refused (permanent).
+3. `fetch_source`: the training source is fetched once per attempt (`nix
+   flake prefetch`), which re-resolves a moving ref, so a re-dial after a new
+   publish sees the new commit. The build then gets *that* tree by store path
+   and NAR hash (`--override-input source path:<store>?narHash=`), never the
+   URL: the ref cannot move between fetch and build.
+4. Also `fetch_source`: the manifest is read from the fetched tree and merged
+   over the box's recipe. `build_outputs` hands the result to the flake as
+   `recipe.json` in a directory under the state directory
+   (`--override-input recipe path:<dir>`), which is how it reaches the build
+   with evaluation kept pure.
+5. `build_outputs`: one `nix build` of libtorch, the training binary and the source tree, with
    out-links under `<state>/gcroots/`: they are GC roots, so a garbage
    collection never deletes what a prepared run is about to use. Nix writes
    an out-link only once its output is complete, so a build stopped midway
@@ -36,29 +38,32 @@ its cwd.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import config, dirs, human, locks
+from prepare import config, dirs, human, locks, outputs
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import variants as variants_mod
 from prepare.fail import permanent
+from prepare.nix_log import Log, store_name
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
+if TYPE_CHECKING:
+    from prepare.gate import Gpus
+    from prepare.progress import Event, Progress
+
 CONTRACT = 1
-Progress = Callable[[dict[str, Any]], None]
 
 _GIT_SCHEMES = ("git+https", "git+http", "git+ssh", "git+file", "git")
 _FORGE_SCHEMES = ("github", "gitlab", "sourcehut")
-_TARBALL_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.xz", ".txz", ".tar.bz2", ".tbz2", ".tar.zst", ".zip")
 
 # How long a prepare waits for another one holding <state>/lock. Waiting is
 # normal: a restart racing a manual run builds the same thing, and once the
@@ -269,7 +274,7 @@ def check_flake_url(flake: str | None) -> str:
     return url
 
 
-# -- the build ------------------------------------------------------------------------
+# -- the steps ------------------------------------------------------------------------
 
 
 class _Phases:
@@ -284,34 +289,86 @@ class _Phases:
     def end(self) -> None:
         self._send({"type": "end"})
 
-    def _send(self, event: dict[str, Any]) -> None:
+    def _send(self, event: Event) -> None:
         if self.progress is not None:
-            try:
+            # A broken display must not break preparation.
+            with contextlib.suppress(Exception):
                 self.progress(event)
-            except Exception:  # noqa: BLE001 - a broken display must not break preparation
-                pass
 
 
-def build(
+class Session:
+    """What steps 4 and 5 share within one attempt: the checked spec, the
+    state directory and the Nix runner that uses it, the progress step
+    emitter, and `<state>/lock`.
+
+    Made with the lock held (as `open` returns a file already open): the
+    wait for another prepare is over, or has failed, before the first
+    evaluation; `with session:` lets go of the lock and ends the progress
+    display. The lock covers the evaluation, the fetch and the build alike:
+    the recipe and the out-links they write are the state directory's, one
+    set for the box."""
+
+    def __init__(
+        self, spec: PrepareSpec, notes: list[str], flake: str, state: str, nix: nix_mod.Nix, step: _Phases
+    ) -> None:
+        self.spec = spec
+        self.notes = notes
+        self.flake = flake
+        self.state = state
+        self.nix = nix
+        self.step = step
+        self.system = nix_mod.system()
+        self.fdl = f"{flake}#legacyPackages.{self.system}.fdl"
+        self._held = ExitStack()
+        try:
+            self._held.enter_context(_locked(state, lock_wait_s(spec.build_timeout_s), step, notes))
+        except BaseException:
+            # The wait may have started the display (it says whom it waits for).
+            step.end()
+            raise
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._held.close()
+        finally:
+            self.step.end()
+
+
+@dataclass(frozen=True)
+class Source:
+    """The training source as fetched, and the recipe it brings."""
+
+    fetched: nix_mod.Prefetched
+    recipe: manifest_mod.Recipe
+
+
+def check(spec: PrepareSpec) -> str:
+    """Every permanent error of the spec that steps 4 and 5 can find
+    without Nix, found before the first nix call: a config that cannot
+    work costs no evaluation. Returns the flake reference, checked."""
+    flake = check_flake_url(spec.flake)
+    if spec.source is not None:
+        check_source_url(spec.source.from_)
+        manifest_mod.check_box(spec.source)
+    return flake
+
+
+def start(
     spec: PrepareSpec,
-    gpus: Any,
     notes: list[str],
     progress: Progress | None = None,
     *,
     nix_program: str = "nix",
-    env: dict[str, str] | None = None,
-) -> Built:
-    """Resolve the variant, check its coverage, fetch the source, build.
-    Raises Fail; returns what the run needs. Idempotent: with nothing
-    changed, a second call builds and downloads nothing."""
-    flake = check_flake_url(spec.flake)
-    source = spec.source
-    if source is not None:
-        check_source_url(source.from_)
-        manifest_mod.check_box(source)
-
+    env: Mapping[str, str] | None = None,
+) -> Session:
+    """Get steps 4 and 5 ready: the spec checked, the state directory proven
+    writable, a Nix recent enough, and the state lock taken (waiting for
+    another prepare, bounded, and saying so)."""
+    flake = check(spec)
     state = _ensure_state_dir(spec)
-    step = _Phases(progress)
     base_env = os.environ if env is None else env
     tmpdir = nix_mod.build_tmpdir(base_env)
     if tmpdir is not None:
@@ -322,168 +379,120 @@ def build(
         env = {**base_env, "TMPDIR": tmpdir}
     nix = nix_mod.Nix(state, program=nix_program, env=env, on_event=progress)
     nix.check_version()
-    system = nix_mod.system()
-    try:
-        result = _run(spec, gpus, notes, nix, step, flake, system, state)
-    finally:
-        step.end()
-    return result
+    return Session(spec, notes, flake, state, nix, _Phases(progress))
 
 
-def _run(spec: PrepareSpec, gpus: Any, notes: list[str], nix: nix_mod.Nix, step: _Phases, flake: str,
-         system: str, state: str) -> Built:
-    source = spec.source
-    fdl = f"{flake}#legacyPackages.{system}.fdl"
-    with _locked(state, lock_wait_s(spec.build_timeout_s), step, notes):
-        step("evaluate", f"libtorch variants of {flake}")
-        meta = nix.eval_json(
-            fdl,
-            apply="fdl: { contract = fdl.contract or null; variants = fdl.variants or null; }",
-            doing=f"evaluating the flake {flake!r} (flake, --flake) for legacyPackages.{system}.fdl",
-            fix=f"point flake (--flake) at a flake that follows the fdl-prepare contract (nix/CONTRACT.md) "
-                f"for {system}, or fix this one",
+def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
+    """Step 4: the libtorch variant, and its arch coverage of the offered
+    cards, from the flake's metadata by evaluation: nothing is fetched or
+    built before a card the variant ships no kernel for is refused."""
+    spec, flake, system = session.spec, session.flake, session.system
+    session.step("evaluate", f"libtorch variants of {flake}")
+    meta = session.nix.eval_json(
+        session.fdl,
+        apply="fdl: { contract = fdl.contract or null; variants = fdl.variants or null; }",
+        doing=f"evaluating the flake {flake!r} (flake, --flake) for legacyPackages.{system}.fdl",
+        fix=f"point flake (--flake) at a flake that follows the fdl-prepare contract (nix/CONTRACT.md) "
+        f"for {system}, or fix this one",
+    )
+    contract = meta.get("contract") if isinstance(meta, dict) else None
+    if contract != CONTRACT:
+        raise permanent(
+            f"the flake {flake!r} speaks contract {contract!r} (legacyPackages.{system}.fdl.contract), this "
+            f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point flake (--flake) at a matching revision"
         )
-        contract = meta.get("contract") if isinstance(meta, dict) else None
-        if contract != CONTRACT:
-            raise permanent(
-                f"the flake {flake!r} speaks contract {contract!r} (legacyPackages.{system}.fdl.contract), this "
-                f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point flake (--flake) at a matching revision"
-            )
-        variants = variants_mod.parse_variants(meta.get("variants"), flake)
-        requested = spec.libtorch
-        if requested is None and not spec.cpu_only:
-            notes.append("libtorch not set: choosing automatically (libtorch = \"auto\")")
-        variant = variants_mod.choose(requested, variants, gpus, spec.cpu_only, flake, notes)
+    variants = variants_mod.parse_variants(meta.get("variants"), flake)
+    if spec.libtorch is None and not spec.cpu_only:
+        session.notes.append('libtorch not set: choosing automatically (libtorch = "auto")')
+    return variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, flake, session.notes)
 
-        overrides: dict[str, str] = {}
-        installables = [f"{fdl}.libtorch.{variant.label}"]
-        recipe = None
-        fetched = None
-        if source is not None:
-            step("fetch", f"training source {source.from_}")
-            fetched = nix.prefetch(
-                source.from_,
-                doing=f"fetching the training source {source.from_!r} (source.from, --source)",
-            )
-            _note_fetched(fetched, notes)
-            manifest = manifest_mod.read(fetched.store_path)
-            recipe = manifest_mod.merge(source, manifest, source.from_)
-            manifest_mod.check_tree(recipe, fetched.store_path, source.from_)
-            notes.extend(manifest_mod.notes_for(recipe, manifest, time.time()))
-            recipe_dir = _write_recipe(state, recipe.to_json(variant.label, CONTRACT))
-            overrides = {"source": fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
-            installables += [f"{fdl}.training", fetched.store_path]
 
-        step("build", ", ".join(_short(i) for i in installables))
-        out_link = os.path.join(state, "gcroots", "run")
-        results, log = nix.build(
-            installables,
-            out_link=out_link,
-            overrides=overrides,
-            timeout_s=spec.build_timeout_s,
-            source_path=fetched.store_path if fetched is not None else None,
-            doing=(f"building libtorch {variant.label}" + (f" and the training binary from {source.from_!r}"
-                                                          if source is not None else "")),
-        )
-        paths = _outputs(results)
-        _prune_links(out_link, paths)
+def fetch_source(session: Session) -> Source | None:
+    """Step 5, first half: the training source fetched once per attempt
+    (a moving ref re-resolves here), and its run manifest merged over the
+    box's own recipe. None when the spec names no source."""
+    source = session.spec.source
+    if source is None:
+        return None
+    url = source.from_
+    assert url is not None  # check_source_url refused a source without one
+    session.step("fetch", f"training source {url}")
+    fetched = session.nix.prefetch(url, doing=f"fetching the training source {url!r} (source.from, --source)")
+    _note_fetched(fetched, session.notes)
+    manifest = manifest_mod.read(fetched.store_path)
+    recipe = manifest_mod.merge(source, manifest, url)
+    manifest_mod.check_tree(recipe, fetched.store_path, url)
+    session.notes.extend(manifest_mod.notes_for(recipe, manifest, time.time()))
+    return Source(fetched=fetched, recipe=recipe)
 
-    libtorch_path, training_path = _identify(results, recipe.bin if recipe else None, fetched)
-    _note_build(log, results, variant.label, libtorch_path, training_path, notes)
+
+def build_outputs(session: Session, variant: variants_mod.Variant, source: Source | None) -> Built:
+    """Step 5, second half: one `nix build` of libtorch, the training binary
+    and the fetched tree (pinned by store path and NAR hash, the recipe
+    passed as a flake input), with GC roots under the state directory."""
+    installables = [f"{session.fdl}.libtorch.{variant.label}"]
+    overrides: dict[str, str] = {}
+    if source is not None:
+        recipe_dir = outputs.write_recipe(session.state, source.recipe.flake_input(variant.label, CONTRACT))
+        overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
+        installables += [f"{session.fdl}.training", source.fetched.store_path]
+    session.step("build", ", ".join(_short(i) for i in installables))
+    out_link = os.path.join(session.state, "gcroots", "run")
+    results, log = session.nix.build(
+        installables,
+        out_link=out_link,
+        overrides=overrides,
+        timeout_s=session.spec.build_timeout_s,
+        source_path=source.fetched.store_path if source is not None else None,
+        doing=f"building libtorch {variant.label}"
+        + (f" and the training binary from {source.fetched.url!r}" if source is not None else ""),
+    )
+    outputs.prune_links(out_link, outputs.store_paths(results))
+    return _built(session, variant, source, results, log)
+
+
+def build(
+    spec: PrepareSpec,
+    gpus: Gpus | None,
+    notes: list[str],
+    progress: Progress | None = None,
+    *,
+    nix_program: str = "nix",
+    env: Mapping[str, str] | None = None,
+) -> Built:
+    """Steps 4 and 5 in their order, as the pipeline runs them. Raises Fail;
+    returns what the run needs. Idempotent: with nothing changed, a second
+    call builds and downloads nothing."""
+    with start(spec, notes, progress, nix_program=nix_program, env=env) as session:
+        variant = choose_variant(session, gpus)
+        source = fetch_source(session)
+        return build_outputs(session, variant, source)
+
+
+def _built(
+    session: Session, variant: variants_mod.Variant, source: Source | None, results: list[dict[str, Any]], log: Log
+) -> Built:
+    """What the build made, told apart, and what the run needs of it."""
+    recipe = source.recipe if source is not None else None
+    libtorch_path, training_path = outputs.identify(results, recipe.bin if recipe else None)
+    outputs.note_build(log, results, variant.label, libtorch_path, training_path, session.notes)
     libtorch = Libtorch(path=libtorch_path, variant=variant.label)
-    if recipe is None or fetched is None:
+    if source is None or recipe is None:
         return Built(libtorch=libtorch, bin=None, args=None, run_id=None)
     if training_path is None:
         raise permanent(
-            f"the flake {flake!r} built no training output holding bin/{os.path.basename(recipe.bin)}: "
+            f"the flake {session.flake!r} built no training output holding bin/{os.path.basename(recipe.bin)}: "
             "its fdl.training does not follow the contract (nix/CONTRACT.md: install the recipe's bin to $out/bin/)"
         )
     binary = Binary(
         path=os.path.join(training_path, "bin", os.path.basename(recipe.bin)),
-        cwd=os.path.normpath(os.path.join(fetched.store_path, recipe.cwd)),
+        cwd=os.path.normpath(os.path.join(source.fetched.store_path, recipe.cwd)),
     )
     return Built(libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id)
 
 
 def _short(installable: str) -> str:
-    return installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1] if "#" in installable else nix_mod.store_name(installable)
-
-
-def _write_recipe(state: str, recipe: dict[str, Any]) -> str:
-    """recipe.json, alone in its directory (the flake input copies the whole
-    directory into the store), replaced atomically."""
-    directory = os.path.join(state, "recipe")
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(state, f"recipe.json.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(recipe, handle, sort_keys=True, indent=2)
-        handle.write("\n")
-    os.replace(tmp, os.path.join(directory, "recipe.json"))
-    for stray in os.listdir(directory):
-        if stray != "recipe.json":
-            _remove(os.path.join(directory, stray))
-    return directory
-
-
-def _remove(path: str) -> None:
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            import shutil
-
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def _outputs(results: list[dict[str, Any]]) -> set[str]:
-    paths: set[str] = set()
-    for result in results:
-        if "path" in result:
-            paths.add(result["path"])
-        for path in (result.get("outputs") or {}).values():
-            paths.add(path)
-    return paths
-
-
-def _prune_links(out_link: str, paths: set[str]) -> None:
-    """Drop out-links left by an earlier attempt that built more things
-    (`run-3` from a build with one more output): they would pin old
-    outputs forever."""
-    directory, base = os.path.split(out_link)
-    for name in os.listdir(directory):
-        if name != base and not name.startswith(base + "-"):
-            continue
-        link = os.path.join(directory, name)
-        if os.path.islink(link) and os.readlink(link) not in paths:
-            try:
-                os.unlink(link)
-            except OSError:
-                pass
-
-
-def _identify(results: list[dict[str, Any]], bin_: str | None,
-              fetched: nix_mod.Prefetched | None) -> tuple[str, str | None]:
-    """Which result is libtorch and which the training binary. Nix does not
-    keep the installables' order in its JSON, so the training output is the
-    one that holds the recipe's bin (the contract says it installs it to
-    $out/bin/), and libtorch is the other derivation."""
-    built = [r for r in results if "drvPath" in r]
-    training = None
-    if bin_ is not None and len(built) > 1:
-        name = os.path.basename(bin_)
-        holding = [r for r in built if os.path.exists(os.path.join(r["outputs"].get("out", ""), "bin", name))]
-        if len(holding) > 1:
-            holding = [r for r in holding if "libtorch" not in nix_mod.store_name(r["drvPath"])] or holding[:1]
-        if holding:
-            training = holding[0]
-    rest = [r for r in built if r is not training]
-    libtorch = rest[0] if rest else built[0]
-    outputs = libtorch.get("outputs") or {}
-    libtorch_path = outputs.get("out") or next(iter(outputs.values()))
-    training_path = (training.get("outputs") or {}).get("out") if training else None
-    return libtorch_path, training_path
+    return installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1] if "#" in installable else store_name(installable)
 
 
 def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:
@@ -493,45 +502,3 @@ def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:
         + (f" (rev {str(rev)[:12]})" if rev else "")
         + f", {fetched.nar_hash}"
     )
-
-
-
-
-def _note_build(log: nix_mod.Log, results: list[dict[str, Any]], label: str, libtorch_path: str,
-                training_path: str | None, notes: list[str]) -> None:
-    built_drvs = {a.fields[0] for a in log.builds() if a.fields}
-    substituted = {a.fields[0] for a in log.substitutions() if a.fields}
-    already: list[str] = []
-    made: list[str] = []
-    fetched: list[str] = []
-    for result in results:
-        if "drvPath" not in result:
-            continue
-        outputs = set((result.get("outputs") or {}).values())
-        if libtorch_path in outputs:
-            what = f"libtorch {label}"
-        elif training_path in outputs:
-            what = "the training binary"
-        else:
-            what = nix_mod.store_name(result["drvPath"])
-        if result["drvPath"] in built_drvs:
-            made.append(what)
-        elif outputs & substituted:
-            fetched.append(what)
-        else:
-            already.append(what)
-    other = sorted(nix_mod.store_name(d) for d in built_drvs
-                   if d not in {r.get("drvPath") for r in results})
-    if already:
-        notes.append(f"already in the store: {', '.join(already)}")
-    if made or other:
-        seconds = sum((a.stopped or a.started) - a.started for a in log.builds())
-        notes.append(f"built: {', '.join(made + other)} ({seconds:.1f}s of builds)")
-    if fetched or log.transfers():
-        notes.append(
-            f"downloaded: {human.size(log.bytes_downloaded)} in {len(log.transfers())} transfer(s)"
-            + (f" ({', '.join(fetched)} from a binary cache)" if fetched else "")
-        )
-    elif not made and not other:
-        notes.append("nothing built, nothing downloaded")
-

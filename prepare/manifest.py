@@ -77,7 +77,9 @@ class Recipe:
     # the next publish (transient), a bad box value by an operator (permanent).
     from_manifest: frozenset[str] = frozenset()
 
-    def to_json(self, libtorch: str, contract: int) -> dict[str, Any]:
+    def flake_input(self, libtorch: str, contract: int) -> dict[str, Any]:
+        """The flake's `recipe.json` (nix/CONTRACT.md): what the build needs of
+        the recipe, under the contract; the run's own fields stay here."""
         return {"contract": contract, "libtorch": libtorch, "cwd": self.cwd, "build": self.build, "bin": self.bin}
 
 

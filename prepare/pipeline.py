@@ -1,11 +1,17 @@
 """The order of the steps is load-bearing: cheap before expensive.
 
-The GPU gate, the dataset root and the local directories finish in
-milliseconds; the build can take minutes and gigabytes. A box that has no
-usable GPU, or an unwritable stage directory, must find out before a cold
-build has been spent on it. And all of it runs before the controller is
-dialled, because admission starts a window deadline that anything acquired
-afterwards would burn.
+1. the GPU gate, 2. the dataset root, 3. the node-local directories: each
+   finishes in milliseconds;
+4. the libtorch variant and its arch coverage, read from the flake by
+   evaluation, so a card the variant cannot serve is refused before anything
+   is downloaded;
+5. the training source (fetched, its manifest merged over the box's recipe),
+   then the build: minutes and gigabytes.
+
+A box that has no usable GPU, or an unwritable stage directory, must find out
+before a cold build has been spent on it. And all of it runs before the
+controller is dialled, because admission starts a window deadline that
+anything acquired afterwards would burn.
 
 Step modules are imported inside `prepare` so `import prepare` (and the CLI's
 `--help`) stays cheap.
@@ -14,15 +20,14 @@ Step modules are imported inside `prepare` so `import prepare` (and the CLI's
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prepare.spec import Prepared, PrepareSpec
 
-# Receives progress events from the long steps (downloads, builds). The
-# library never prints: a CLI or a join loop decides how to show them.
-Progress = Callable[[dict[str, Any]], None]
+if TYPE_CHECKING:
+    from prepare.progress import Progress
 
 
 @contextmanager
@@ -54,8 +59,18 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
     if spec.wants_build:
         from prepare import build
 
-        with _timed(timings, "build"):
-            built = build.build(spec, gpus, notes, progress=progress)
+        # The spec's flake and source are checked before the first nix call;
+        # then the state directory, Nix's version, and the state lock, held
+        # until the build's out-links are written.
+        with _timed(timings, "state"):
+            session = build.start(spec, notes, progress)
+        with session:
+            with _timed(timings, "variant"):
+                variant = build.choose_variant(session, gpus)
+            with _timed(timings, "source"):
+                source = build.fetch_source(session)
+            with _timed(timings, "build"):
+                built = build.build_outputs(session, variant, source)
 
     return Prepared(
         data_path=data_path,

@@ -21,6 +21,7 @@ serialises its writes with a lock.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -30,12 +31,13 @@ from typing import Any, TextIO
 from prepare import human
 
 Event = dict[str, Any]
+# Receives progress events from the long steps (downloads, builds). The
+# library never prints: a CLI or a join loop decides how to show them.
+Progress = Callable[[Event], None]
 
 # Small files a binary cache serves for every path it is asked about: a line
 # each would bury the transfers that matter.
 _QUIET_SUFFIXES = (".narinfo", "nix-cache-info")
-
-
 
 
 def _is_tty(stream: TextIO) -> bool:
@@ -45,7 +47,7 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
-def renderer(stream: TextIO, *, prefix: str = "fdl-prepare", live: bool | None = None) -> Callable[[Event], None]:
+def renderer(stream: TextIO, *, prefix: str = "fdl-prepare", live: bool | None = None) -> Progress:
     """The progress callable for `stream`: live on a terminal, plain lines
     elsewhere. `live` forces the choice (tests, `--json` runs)."""
     if live is None:
@@ -132,10 +134,9 @@ class LiveRenderer:
         with self.lock:
             live, self.live = self.live, None
         if live is not None:
-            try:
+            # The display is best effort.
+            with contextlib.suppress(Exception):
                 live.stop()
-            except Exception:  # noqa: BLE001 - the display is best effort
-                pass
 
     def __call__(self, event: Event) -> None:
         kind = event.get("type")
@@ -149,8 +150,15 @@ class LiveRenderer:
                 if str(event.get("name", "")).endswith(_QUIET_SUFFIXES):
                     return
                 what = kind.split("-")[0]
-                self.rows[event.get("id")] = {"what": what, "name": event.get("name", "?"), "state": "running",
-                                             "since": time.monotonic(), "phase": None, "done": 0, "expected": 0}
+                self.rows[event.get("id")] = {
+                    "what": what,
+                    "name": event.get("name", "?"),
+                    "state": "running",
+                    "since": time.monotonic(),
+                    "phase": None,
+                    "done": 0,
+                    "expected": 0,
+                }
             elif kind == "build-phase":
                 row = self.rows.get(event.get("id"))
                 if row:
@@ -170,10 +178,9 @@ class LiveRenderer:
                 return
             start = self.live is None
         if start:
-            try:
+            # A display that cannot start leaves the run without one, nothing worse.
+            with contextlib.suppress(Exception):
                 self._start()
-            except Exception:  # noqa: BLE001
-                pass
 
     def _render(self) -> Any:
         from rich.table import Table
@@ -182,18 +189,26 @@ class LiveRenderer:
         table.add_column(no_wrap=True)
         table.add_column(overflow="ellipsis", no_wrap=True, max_width=70)
         table.add_column(no_wrap=True)
+        # Rich calls this from its refresh thread while the nix reader thread
+        # adds rows and updates them in place (a dict changing size under an
+        # iteration raises): read what is shown under the lock, rows copied,
+        # and render from the copies.
         with self.lock:
-            rows = list(self.rows.values())[-self.MAX_ROWS:]
+            rows = [dict(r) for r in list(self.rows.values())[-self.MAX_ROWS :]]
+            done = sum(1 for r in self.rows.values() if r["state"] == "done" and r["what"] == "build")
             step = self.step
         now = time.monotonic()
         running = sum(1 for r in rows if r["state"] == "running" and r["what"] == "build")
-        done = sum(1 for r in self.rows.values() if r["state"] == "done" and r["what"] == "build")
         table.add_row(f"[bold]{step}[/bold]", f"builds: {running} running, {done} done", "")
         for row in rows:
             seconds = row.get("seconds", now - row["since"])
             if row["what"] == "build":
-                state = {"running": "[yellow]building[/yellow]", "done": "[green]built[/green]",
-                         "failed": "[red]failed[/red]", "stopped": "[red]stopped[/red]"}[row["state"]]
+                state = {
+                    "running": "[yellow]building[/yellow]",
+                    "done": "[green]built[/green]",
+                    "failed": "[red]failed[/red]",
+                    "stopped": "[red]stopped[/red]",
+                }[row["state"]]
                 detail = row["phase"] or ""
             else:
                 state = "[cyan]download[/cyan]" if row["state"] == "running" else "[green]downloaded[/green]"

@@ -16,11 +16,14 @@ above X.Y.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prepare.fail import permanent
+
+if TYPE_CHECKING:
+    from prepare.gate import Device, Gpus
 
 CPU = "cpu"
 AUTO = "auto"
@@ -50,8 +53,8 @@ class Variant:
 
 
 def parse_arch(text: str) -> Arch:
-    """"8.6", "9.0+PTX", "sm_86" -> Arch. A two-digit "86" is read as 8.6,
-    the way TORCH_CUDA_ARCH_LIST and nvcc spell it."""
+    """An arch as the flake or nvcc writes it ("8.6", "9.0+PTX", "sm_86"). A
+    two-digit "86" is read as 8.6, the way TORCH_CUDA_ARCH_LIST spells it."""
     match = _ARCH.match(str(text))
     if not match:
         raise ValueError(f"not a CUDA arch: {text!r}")
@@ -94,7 +97,7 @@ def parse_variants(raw: Any, flake: str) -> dict[str, Variant]:
         except ValueError as bad:
             raise permanent(
                 f"the flake {flake!r} has malformed metadata for libtorch variant {key!r}: {bad}; "
-                "each variant needs label, cuda (\"12.8\" or null) and archs ([\"8.6\", \"9.0+PTX\", ...]) "
+                'each variant needs label, cuda ("12.8" or null) and archs (["8.6", "9.0+PTX", ...]) '
                 "as nix/CONTRACT.md describes: fix the flake"
             ) from None
         out[str(key)] = Variant(label=label, cuda=cuda, archs=archs)
@@ -111,25 +114,22 @@ def covers(archs: Iterable[Arch], capability: tuple[int, int]) -> bool:
     return False
 
 
-def _capability(device: Any) -> tuple[int, int] | None:
-    cap = getattr(device, "capability", None)
-    if cap is None:
-        return None
-    return int(cap[0]), int(cap[1])
+def _offered(gpus: Gpus | None) -> tuple[Device, ...]:
+    return () if gpus is None else gpus.offered
 
 
-def _offered(gpus: Any) -> Sequence[Any]:
-    if gpus is None:
-        return ()
-    return tuple(getattr(gpus, "offered", ()) or ())
+def _covered(archs: Iterable[Arch], device: Device) -> bool:
+    """A card whose compute capability NVML did not report is not refused:
+    nothing says the variant cannot serve it."""
+    return device.capability is None or covers(archs, device.capability)
 
 
 def _cap_text(cap: tuple[int, int] | None) -> str:
     return "unknown" if cap is None else f"{cap[0]}.{cap[1]}"
 
 
-def _device_text(device: Any) -> str:
-    return f"GPU {device.index} ({device.name}, compute capability {_cap_text(_capability(device))})"
+def _device_text(device: Device) -> str:
+    return f"GPU {device.index} ({device.name}, compute capability {_cap_text(device.capability)})"
 
 
 def _listing(variants: Mapping[str, Variant]) -> str:
@@ -142,7 +142,7 @@ def _listing(variants: Mapping[str, Variant]) -> str:
 def choose(
     requested: str | None,
     variants: Mapping[str, Variant],
-    gpus: Any,
+    gpus: Gpus | None,
     cpu_only: bool,
     flake: str,
     notes: list[str],
@@ -154,7 +154,7 @@ def choose(
         if wanted not in (AUTO, CPU):
             raise permanent(
                 f"libtorch = {wanted!r} needs a GPU, but cpu_only is set (--cpu-only), which allows only "
-                f"the {CPU!r} variant: set libtorch = \"{CPU}\" (--libtorch {CPU}) or \"auto\", or drop "
+                f'the {CPU!r} variant: set libtorch = "{CPU}" (--libtorch {CPU}) or "auto", or drop '
                 "cpu_only (--no-cpu-only) on a box with a GPU"
             )
         wanted = CPU
@@ -165,7 +165,7 @@ def choose(
         if wanted not in variants:
             raise permanent(
                 f"libtorch = {wanted!r} is not a variant of the flake {flake!r}; it has: {_listing(variants)}. "
-                "Set libtorch (--libtorch) to one of those or to \"auto\", or add the variant by overriding the flake"
+                'Set libtorch (--libtorch) to one of those or to "auto", or add the variant by overriding the flake'
             )
         variant = variants[wanted]
     check_coverage(variant, gpus, variants)
@@ -173,33 +173,29 @@ def choose(
     return variant
 
 
-def _why_auto(variant: Variant, gpus: Any) -> str:
-    offered = _offered(gpus)
-    if not offered:
+def _why_auto(variant: Variant, gpus: Gpus | None) -> str:
+    if gpus is None or not gpus.offered:
         return "no GPU offered"
-    driver = getattr(gpus, "cuda_driver_version", None)
-    caps = ", ".join(sorted({_cap_text(_capability(d)) for d in offered}))
-    return f"compute capability {caps}, driver CUDA {_cap_text(driver)}"
+    caps = ", ".join(sorted({_cap_text(d.capability) for d in gpus.offered}))
+    return f"compute capability {caps}, driver CUDA {_cap_text(gpus.cuda_driver_version)}"
 
 
-def _auto(variants: Mapping[str, Variant], gpus: Any, flake: str) -> Variant:
-    offered = _offered(gpus)
-    if not offered:
+def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> Variant:
+    if gpus is None or not gpus.offered:
         if CPU not in variants:
             raise permanent(
-                f"libtorch = \"auto\" on a box with no GPU needs a {CPU!r} variant, and the flake {flake!r} has "
+                f'libtorch = "auto" on a box with no GPU needs a {CPU!r} variant, and the flake {flake!r} has '
                 f"none (it has: {_listing(variants)}): set libtorch (--libtorch) to one of those or fix the flake"
             )
         return variants[CPU]
-    caps = [c for c in (_capability(d) for d in offered) if c is not None]
-    driver = getattr(gpus, "cuda_driver_version", None)
+    offered = gpus.offered
+    driver = gpus.cuda_driver_version
     candidates = [v for v in variants.values() if v.cuda is not None]
     if driver is not None:
-        driver = (int(driver[0]), int(driver[1]))
         runnable = [v for v in candidates if v.cuda is not None and v.cuda <= driver]
     else:
         runnable = []
-    fitting = [v for v in runnable if all(covers(v.archs, c) for c in caps)]
+    fitting = [v for v in runnable if all(_covered(v.archs, d) for d in offered)]
     if fitting:
         # The newest CUDA the driver can run: it carries the newest kernels
         # and arch list among those that serve every card.
@@ -212,60 +208,63 @@ def _auto(variants: Mapping[str, Variant], gpus: Any, flake: str) -> Variant:
     else:
         reason = "no variant the driver can run has kernels for every offered card"
     raise permanent(
-        f"libtorch = \"auto\" found no variant for this box: {reason}. Offered: {cards}. "
+        f'libtorch = "auto" found no variant for this box: {reason}. Offered: {cards}. '
         f"Variants of the flake {flake!r}: {_listing(variants)}. Fix: update the NVIDIA driver, "
         "offer only covered cards with devices (--devices), or set libtorch (--libtorch) explicitly "
         "(add a variant for these cards by overriding the flake)"
     )
 
 
-def check_coverage(variant: Variant, gpus: Any, variants: Mapping[str, Variant] | None = None) -> None:
+def check_coverage(variant: Variant, gpus: Gpus | None, variants: Mapping[str, Variant] | None = None) -> None:
     """Permanent Fail naming every offered card the variant ships no kernel for."""
     offered = _offered(gpus)
     # A CPU build runs anywhere; it just leaves the cards idle (noted by `choose`).
     if not offered or variant.cuda is None:
         return
-    uncovered = [d for d in offered if _capability(d) is not None and not covers(variant.archs, _capability(d))]
+    uncovered = [d for d in offered if not _covered(variant.archs, d)]
     if not uncovered:
         return
     covered = [d for d in offered if d not in uncovered]
     cards = "; ".join(_device_text(d) for d in uncovered)
     fixes = []
     if covered:
-        fixes.append(f"offer only covered cards with devices = [{', '.join(str(d.index) for d in covered)}] "
-                     f"(--devices {','.join(str(d.index) for d in covered)})")
+        fixes.append(
+            f"offer only covered cards with devices = [{', '.join(str(d.index) for d in covered)}] "
+            f"(--devices {','.join(str(d.index) for d in covered)})"
+        )
     else:
         fixes.append("offer only covered cards with devices (--devices)")
     others = [
-        v.label for v in (variants or {}).values()
-        if v.label != variant.label and all(
-            covers(v.archs, _capability(d)) for d in uncovered if _capability(d) is not None)
-        and v.archs
+        v.label
+        for v in (variants or {}).values()
+        if v.label != variant.label and all(_covered(v.archs, d) for d in uncovered) and v.archs
     ]
     if others:
         fixes.append(f"pick a variant that covers them: libtorch = {others[0]!r} (--libtorch {others[0]})")
     else:
-        fixes.append("pick another variant (libtorch / --libtorch), or add one built for these cards by "
-                     "overriding the flake (e.g. a cu126 build for Pascal/Volta)")
+        fixes.append(
+            "pick another variant (libtorch / --libtorch), or add one built for these cards by "
+            "overriding the flake (e.g. a cu126 build for Pascal/Volta)"
+        )
     raise permanent(
         f"libtorch {variant.label} ships no kernel for {cards}: its CUDA archs are {variant.archs_text}. "
         f"Nothing was downloaded. Fix: {'; or '.join(fixes)}"
     )
 
 
-def _note_driver(variant: Variant, gpus: Any, notes: list[str]) -> None:
+def _note_driver(variant: Variant, gpus: Gpus | None, notes: list[str]) -> None:
     if variant.cuda is None and _offered(gpus):
         notes.append(
             f"libtorch {variant.label} has no CUDA: the offered GPUs will sit idle; "
-            "set libtorch = \"auto\" (--libtorch auto) to use them"
+            'set libtorch = "auto" (--libtorch auto) to use them'
         )
         return
-    driver = getattr(gpus, "cuda_driver_version", None) if gpus is not None else None
+    driver = gpus.cuda_driver_version if gpus is not None else None
     if variant.cuda is None or driver is None or not _offered(gpus):
         return
-    if tuple(variant.cuda) > (int(driver[0]), int(driver[1])):
+    if variant.cuda > driver:
         notes.append(
             f"libtorch {variant.label} is built for CUDA {_cap_text(variant.cuda)} but the driver supports "
-            f"CUDA {_cap_text(tuple(driver))}: CUDA calls may fail with 'driver too old' unless a "
+            f"CUDA {_cap_text(driver)}: CUDA calls may fail with 'driver too old' unless a "
             "forward-compatibility package is installed; update the NVIDIA driver"
         )

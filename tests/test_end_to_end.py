@@ -88,7 +88,7 @@ def test_a_healthy_gpu_box_is_prepared_end_to_end_and_a_second_attempt_changes_n
     done = json.loads(first.stdout)
 
     assert done["devices"] == [0, 1]
-    assert list(done["timings"]) == ["gate", "data", "dirs", "build"]
+    assert list(done["timings"]) == ["gate", "data", "dirs", "state", "variant", "source", "build"]
     assert done["data_path"] == str(point)
     mount = mounts.mounted_at(str(point))
     assert mount is not None and mount.fstype == "fuse.sshfs" and mount.read_only

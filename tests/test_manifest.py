@@ -33,8 +33,8 @@ def test_a_published_manifest_outranks_the_boxs_own_recipe():
     recipe = merge(box, parse(FULL), URL)
     assert (recipe.bin, recipe.cwd, recipe.build) == ("train", "crates/train", "cargo build --release")
     assert recipe.args == ("--epochs", "3") and recipe.run_id == "run-42"
-    assert recipe.to_json("cu128", 1) == {"contract": 1, "libtorch": "cu128", "cwd": "crates/train",
-                                          "build": "cargo build --release", "bin": "train"}
+    assert recipe.flake_input("cu128", 1) == {"contract": 1, "libtorch": "cu128", "cwd": "crates/train",
+                                              "build": "cargo build --release", "bin": "train"}
 
 
 def test_a_manifest_that_omits_a_field_keeps_the_boxs_value():

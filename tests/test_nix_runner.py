@@ -19,7 +19,9 @@ from nix_fixtures import NIX_CONFIG, require_nix, trainer
 from prepare import nix as nix_mod
 from prepare.build import build
 from prepare.fail import Fail
-from prepare.nix import BUILD, EVALUATION, FETCH, Log, Nix, diagnose, parse_nix_version
+from prepare.nix import Nix, parse_nix_version
+from prepare.nix_diagnosis import BUILD, EVALUATION, FETCH, diagnose, failure
+from prepare.nix_log import Log
 from prepare.spec import PrepareSpec, SourceSpec
 
 
@@ -375,7 +377,7 @@ def test_a_download_cut_by_the_peer_is_a_fetch_not_a_dead_daemon(phase, text):
     log.feed(_error(text))
     got = diagnose(phase, log, returncode=1)
     assert (got.category, got.permanent) == ("fetch", False)
-    fail = nix_mod.failure(got, "fetching", fix="point flake (--flake) at a flake that follows the contract")
+    fail = failure(got, "fetching", fix="point flake (--flake) at a flake that follows the contract")
     assert "nix-daemon" not in fail.message
     assert "retries" in fail.message.split("Fix:")[1] and "point flake" not in fail.message
 

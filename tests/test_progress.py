@@ -86,6 +86,39 @@ def test_on_a_terminal_the_display_is_live_and_shows_builds_and_bytes():
     assert "narinfo" not in text
 
 
+def test_the_live_table_reads_its_rows_only_under_the_lock_the_reader_thread_inserts_under():
+    """Rich redraws from its own thread while nix's reader thread adds rows:
+    a redraw that iterated the rows unlocked could meet a dict changing size.
+    Every read of the rows container must happen with the lock held."""
+    pytest.importorskip("rich")
+    render = progress.LiveRenderer(io.StringIO())
+    render.live = object()  # as if started: no display thread in this test
+
+    class Guarded(dict):
+        def _held(self) -> None:
+            assert render.lock.locked(), "rows read without the lock"
+
+        def values(self):
+            self._held()
+            return super().values()
+
+        def items(self):
+            self._held()
+            return super().items()
+
+        def __iter__(self):
+            self._held()
+            return super().__iter__()
+
+    render.rows = Guarded()
+    for event in EVENTS[:-1]:
+        render(event)
+    table = render._render()
+    assert not render.lock.locked()
+    # The copies it rendered from are what the events said.
+    assert table.row_count == 1 + 3  # the step line, one download, two builds (the narinfo is quiet)
+
+
 def test_a_real_build_prints_its_start_and_finish_off_a_terminal(nix_env, test_flake, git_source, state_dir):
     src = git_source(trainer())
     out = io.StringIO()

@@ -1,0 +1,265 @@
+"""Why a nix call failed, and whether trying again could help.
+
+Failures are classified by the *phase* a call belongs to (evaluation, input
+fetch, build) and the error records Nix wrote, never by the exit code beyond
+zero/non-zero: `nix build` exits 1 for a failed builder where `nix-store
+--realise` exits 100, and the daemon and remote builders lose the 1xx codes
+(NixOS/nix #8782, #4813, #12641).
+
+Nix words the same failure differently across versions, so the patterns
+match the meaning rather than one version's spelling; where one is there for
+a version's own words, the comment beside it says which version said what.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+
+from prepare.fail import Fail
+from prepare.nix_log import Activity, Log
+
+# The phase a nix call belongs to: what an error record means depends on it.
+EVALUATION = "evaluation"
+FETCH = "fetch"
+BUILD = "build"
+
+# Compiled on first use: they only matter once a call has failed, and
+# compiling them at import would cost every warm run ~10 ms.
+_HASH_MISMATCH = (
+    r"hash mismatch in fixed-output derivation|hash mismatch importing path|NAR hash mismatch|got:\s+sha256"
+)
+_NO_SPACE = r"no space left on device|disk quota exceeded|database or disk is full"
+# Daemon wording only. "connection reset by peer" and "unexpected end-of-file"
+# also end a download cut short (current Nix appends curl's own words:
+# "unable to download '…': Failure when receiving data from the peer (56)
+# Recv failure: Connection reset by peer"), and sending an operator to
+# `systemctl start nix-daemon` for a flaky network is the wrong fix. A daemon
+# that drops the connection says so through its store: "cannot open
+# connection to remote store 'unix://…': … Connection reset by peer" (Nix 2.8).
+# A cut with no daemon wording is a fetch (below): transient either way.
+_DAEMON = (
+    r"cannot connect to socket at|cannot connect to daemon|error (reading from|writing to) daemon|"
+    r"cannot open connection to remote store '(daemon|unix:[^']*)'|daemon-socket/socket"
+)
+# The daemon is there and says no to this user: the socket's permissions
+# (Debian's nix-setup-systemd lets only the nix-users group in) or its
+# allowed-users. Seen the same on 2.8 and 2.26; no retry changes group
+# membership, so unlike an absent daemon it must stop a persist loop.
+_DAEMON_REFUSED = r"cannot connect to socket at '[^']*': permission denied|is not allowed to connect to the nix daemon"
+# Nix builds as the members of build-users-group and that group does not
+# exist: Debian's nix-bin without its recommended nix-setup-systemd (2.8 and
+# 2.26 word it the same). Every build fails until the installation is fixed.
+_BUILD_USERS = r"the group '[^']*' specified in 'build-users-group' does not exist"
+# The build users cannot enter the directory Nix builds in (a single-user
+# Nix as root builds under its TMPDIR, e.g. libpam-tmpdir's /tmp/user/0 at
+# 0700). The runner gives Nix an enterable TMPDIR, so this is what is left
+# when the builds go through a daemon whose own TMPDIR is like that.
+_BUILD_DIR = r"nix-build-[^\s'/]*\.drv-\d+[^\n]*(permission denied|can't cd)|can't cd to [^\n]*/nix-build-"
+# A flake URL Nix cannot parse (source.from, flake, or an input the flake
+# declares): no retry parses it, so it must stop a persist loop. Checked
+# before the fetch fallback, which would call any error in a fetch transient.
+_BAD_URL = (
+    r"is not a valid URL|\bURL '[^']*' is invalid|input '[^']*' is unsupported|has wrong length for hash type|"
+    r"invalid SRI hash|is not SRI|invalid base-(16|32|64) hash|unexpected fragment '|should not have an authority|"
+    r"has unexpected authority|has unsupported parameter|invalid Git branch/tag name|"
+    # 2.26 says "hash algorithm" where 2.8 says "hash type".
+    r"has wrong length for hash algorithm|"
+    # 2.26 reads file:///x as an archive to open; 2.8 refuses it outright
+    # ("input 'file:///x' is unsupported").
+    r"could not read a file:// file|"
+    # 2.26 (not 2.8) takes a string it cannot parse as a URL for a path
+    # relative to the working directory, so the refusal names
+    # "<cwd>/github:a" or "<cwd>/path:/tmp/a b": a path component that
+    # carries a URL scheme.
+    r"getting status of '[^']*/[a-z][a-z0-9+.-]*:[^']*': no such file or directory"
+)
+_TIMEOUT = r"timed out after \d+ seconds"
+_BUILDER = (
+    r"builder for .* failed|build of .* failed|dependencies couldn't be built|"
+    r"dependencies of derivation .* failed to build|cannot build|builder failed"
+)
+_FETCH = (
+    r"unable to download|couldn't connect|could not connect|could not resolve|couldn't resolve|"
+    r"failed to connect|connection refused|connection timed out|timeout was reached|network is unreachable|"
+    r"temporary failure in name resolution|name or service not known|program 'git' failed|unable to access|"
+    r"cannot fetch|failed to fetch|unable to fetch|could not read from remote repository|http error|"
+    r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b|connection reset by peer|"
+    r"unexpected end-of-file|failure when receiving data from the peer"
+)
+
+
+@functools.cache
+def _pattern(source: str) -> re.Pattern[str]:
+    return re.compile(source, re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    # hash-mismatch, no-space, build-users, daemon-refused, store-permission, build-dir, daemon, timeout,
+    # builder, flake-builder, bad-url, fetch, evaluation, unknown
+    category: str
+    permanent: bool
+    detail: str
+
+
+def _store_permission(text: str) -> bool:
+    for line in text.splitlines():
+        low = line.lower()
+        if ("permission denied" in low or "operation not permitted" in low or "read-only file system" in low) and (
+            "/nix/" in line or "big-lock" in low or "store" in low
+        ):
+            return True
+    return False
+
+
+def _build_logs(log: Log) -> str:
+    return "\n".join(line for act in log.builds() for line in act.log)
+
+
+def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
+    """Why a nix call failed, and whether retrying could help.
+
+    Specific causes first (they can surface in any phase: a full store stops
+    a fetch as surely as a build; a URL that does not parse is permanent even
+    in a fetch, where any other error is taken for the network's), then the
+    phase decides: an evaluation error
+    is permanent, a failed fetch transient, and in a build call an error with
+    no build started is the evaluation of the overridden flake (permanent)
+    while an error after one is the builder's (transient)."""
+    text = log.error_text()
+    detail = text.strip() or (
+        f"nix exited with status {returncode} and wrote no error" if returncode else "no error text"
+    )
+    if _pattern(_HASH_MISMATCH).search(text):
+        return Diagnosis("hash-mismatch", True, detail)
+    if _pattern(_NO_SPACE).search(text):
+        return Diagnosis("no-space", True, detail)
+    if _pattern(_BUILD_USERS).search(text):
+        return Diagnosis("build-users", True, detail)
+    if _pattern(_DAEMON_REFUSED).search(text):
+        return Diagnosis("daemon-refused", True, detail)
+    if _store_permission(text):
+        return Diagnosis("store-permission", True, detail)
+    if _pattern(_BUILD_DIR).search(text) or _pattern(_BUILD_DIR).search(_build_logs(log)):
+        return Diagnosis("build-dir", True, detail)
+    if _pattern(_DAEMON).search(text):
+        return Diagnosis("daemon", False, detail)
+    if _pattern(_TIMEOUT).search(text):
+        return Diagnosis("timeout", False, detail)
+    if phase == BUILD and (_pattern(_BUILDER).search(text) or (log.builds() and not log.errors)):
+        return Diagnosis("builder", False, detail)
+    if log.errors and _pattern(_BAD_URL).search(text):
+        return Diagnosis("bad-url", True, detail)
+    if _pattern(_FETCH).search(text) or _pattern(_FETCH).search("\n".join(log.other)):
+        return Diagnosis("fetch", False, detail)
+    if not log.errors:
+        # Killed, crashed, or a failure with nothing said: nothing shows it
+        # would fail again.
+        return Diagnosis("unknown", False, detail)
+    if phase == FETCH:
+        return Diagnosis("fetch", False, detail)
+    if phase == BUILD and log.builds():
+        return Diagnosis("builder", False, detail)
+    return Diagnosis("evaluation", True, detail)
+
+
+_FIXES = {
+    "hash-mismatch": "a pinned hash is wrong; retrying fetches the same bytes. Update the hash in the flake "
+    "(the 'got:' value above) or the pin that produced it",
+    "no-space": "the Nix store's disk is full: free space with `nix-collect-garbage -d` (or `nix-store --gc`) "
+    "or grow the disk, then run again",
+    "store-permission": "this user cannot write the Nix store: run as the store's owner (root on a single-user "
+    "install) or through the daemon (NIX_REMOTE=daemon, with nix-daemon running)",
+    "build-users": "this is the Nix installation, not the flake: Nix builds as the members of its "
+    "build-users-group, and that group does not exist. On Debian/Ubuntu install the package that "
+    "creates it and the nixbld users: `sudo apt-get install nix-setup-systemd` (scripts/setup does); "
+    "elsewhere create the group and its users as the Nix manual's multi-user installation says",
+    "daemon-refused": "this is the Nix installation, not the flake: the Nix daemon refuses this user. On "
+    "Debian/Ubuntu add it to the nix-users group (`sudo usermod -aG nix-users $USER`, then log in "
+    "again); elsewhere add it to allowed-users in /etc/nix/nix.conf and restart nix-daemon",
+    "build-dir": "this is the Nix installation, not the flake or the training source: Nix's build users cannot "
+    "enter the directory builds run in (the TMPDIR of whoever runs the builds: nix-daemon's, or this "
+    "process's for a single-user Nix). Make it enterable (`chmod 755`, or `chmod 1777` like /tmp), or "
+    "point TMPDIR at one that is",
+    "daemon": "this is the Nix installation, not the flake: the Nix daemon is not reachable. Start it: "
+    "`sudo systemctl start nix-daemon.socket nix-daemon` (Debian/Ubuntu: it comes with "
+    "`sudo apt-get install nix-setup-systemd`); the next attempt retries",
+    "timeout": "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
+    "slow; the next attempt retries",
+    "builder": "the build itself failed: fix the training source and publish again; the next attempt retries",
+    "flake-builder": "a build the flake itself provides failed, not the training build: fix the flake (or "
+    "its toolchain) and point flake (--flake) at the fixed revision; retrying builds the same "
+    "thing again. A builder that cannot find its tools (`command not found`, `executing "
+    "'/bin/sh'`) relies on host programs that Nix's build sandbox (sandbox = true) hides",
+    "bad-url": "Nix cannot parse the URL quoted above, and no retry will: correct source.from in [join.source] "
+    "(--source) or flake (--flake), whichever it is (or the input the flake declares with it)",
+    "fetch": "check the network, the URL and its ref; the next attempt retries",
+    "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
+    "unknown": "the next attempt retries",
+}
+
+
+def failure(diagnosis: Diagnosis, doing: str, *, fix: str | None = None, extra: str = "") -> Fail:
+    """An operator-facing Fail: what was being done, what Nix said, the fix.
+
+    `fix` is the caller's word for an evaluation error only (it knows which
+    setting names the flake); every other category has one cause whatever
+    the call, and its own fix: an input fetch that fails while the flake is
+    evaluated is the network's fault, not the flake's, and says retry."""
+    detail = _clip(diagnosis.detail)
+    # Nix words the same refusal differently across versions (2.26 takes an
+    # unparsable URL for a relative path); the operator and a fleet's log
+    # search get the same words from every version.
+    said = "Nix refused the URL (it is not a valid URL to Nix): " if diagnosis.category == "bad-url" else ""
+    message = f"{doing} failed: {said}{detail}"
+    if extra:
+        message += f"\n{extra}"
+    chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
+    message += f"\nFix: {chosen}"
+    return Fail(message, permanent=diagnosis.permanent)
+
+
+def _clip(text: str, limit: int = 3000) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[: limit - 20] + "\n... (cut)"
+
+
+def explain(
+    phase: str, log: Log, returncode: int | None, doing: str, *, fix: str | None = None, source_path: str | None = None
+) -> Fail:
+    """The Fail for a nix call that exited non-zero: the diagnosis, refined
+    with what only the caller knows (which tree is the training source), and
+    the lines of the log that name the cause."""
+    diagnosis = diagnose(phase, log, returncode)
+    extra = ""
+    if diagnosis.category == "builder" and not _builds_from(log.failed_build(), source_path):
+        diagnosis = Diagnosis("flake-builder", True, diagnosis.detail)
+    if diagnosis.category in ("builder", "flake-builder", "timeout"):
+        failed = log.failed_build()
+        if failed is not None and failed.log:
+            extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
+    elif log.other and log.errors:
+        # git and ssh write the actual cause (refused, unknown ref,
+        # bad host key) as plain lines; Nix only says git failed.
+        extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
+    return failure(diagnosis, doing, fix=fix, extra=extra)
+
+
+def _builds_from(act: Activity | None, source_path: str | None) -> bool:
+    """Whether the failed build is the training source's: its derivation
+    names the fetched source tree (as `src`, or through a vendoring step that
+    reads it). Anything else that failed (libtorch, the flake's toolchain)
+    is the flake's. When that cannot be told, the training build is blamed,
+    as before the distinction existed: it is the one that changes."""
+    if source_path is None:
+        return False
+    drv = act.fields[0] if act is not None and act.fields else None
+    if not isinstance(drv, str) or not drv.endswith(".drv"):
+        return True
+    try:
+        with open(drv, "rb") as handle:
+            return source_path.encode() in handle.read()
+    except OSError:
+        return True
