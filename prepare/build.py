@@ -174,20 +174,20 @@ def check_source_url(url: str | None) -> str:
     if url is None or not str(url).strip():
         raise permanent(
             "the training source has no URL: set source.from in [join.source] (--source), e.g. "
-            "\"git+https://host/repo?ref=main\" or \"path:/srv/train\""
+            '"git+https://host/repo?ref=main" or "path:/srv/train"'
         )
     url = str(url).strip()
     if any(c.isspace() for c in url):
         raise permanent(
-            f"source.from = {url!r} contains whitespace, which Nix refuses in a URL (\"is not a valid URL\"; "
+            f'source.from = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"; '
             "path: URLs are not percent-decoded either): move or link the tree to a path without spaces and "
             "name that in [join.source] from (--source)"
         )
     if url.startswith("/") or url.startswith("."):
         raise permanent(
             f"source.from = {url!r} is a bare path; Nix would guess whether it is a git checkout (following its "
-            f"current branch) or a plain directory. Write it as a flake URL: \"path:{os.path.abspath(url)}\", or "
-            f"\"git+file://{os.path.abspath(url)}?ref=main\" (--source)"
+            f'current branch) or a plain directory. Write it as a flake URL: "path:{os.path.abspath(url)}", or '
+            f'"git+file://{os.path.abspath(url)}?ref=main" (--source)'
         )
     scheme, sep, rest = url.partition(":")
     if not sep or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
@@ -202,7 +202,7 @@ def check_source_url(url: str | None) -> str:
             raise permanent(
                 f"source.from = {url!r} names no ref or rev: a git source without one follows the remote's default "
                 f"branch, which is not a pin. Add ?ref=<branch> (re-resolved on every attempt) or ?rev=<commit> "
-                f"(fixed): e.g. \"{url}{'&' if '?' in url else '?'}ref=main\" in [join.source] from (--source)"
+                f'(fixed): e.g. "{url}{"&" if "?" in url else "?"}ref=main" in [join.source] from (--source)'
             )
     elif scheme in _FORGE_SCHEMES:
         path = rest.split("?")[0].strip("/").split("/")
@@ -237,7 +237,7 @@ def _check_local_path(url: str, scheme: str, field: str, where: str, example: st
     raise permanent(
         f"{field} = {url!r} {what}: Nix would resolve it against the working directory (here {os.getcwd()!r}; "
         f"`/` under systemd, copying the whole filesystem into the store). Write an absolute path, e.g. "
-        f"\"{fixed}\", in {where}"
+        f'"{fixed}", in {where}'
     )
 
 
@@ -248,12 +248,12 @@ def check_flake_url(flake: str | None) -> str:
     where = "[join] flake (--flake; $FDL_PREPARE_FLAKE is the default the app sets)"
     if not url:
         raise permanent(
-            "no flake to build from: set flake in [join] (--flake), e.g. \"github:owner/fdl-prepare\" or "
-            "\"git+file:///srv/fdl-prepare?ref=main\"; `nix run .#prepare` sets it to its own flake"
+            'no flake to build from: set flake in [join] (--flake), e.g. "github:owner/fdl-prepare" or '
+            '"git+file:///srv/fdl-prepare?ref=main"; `nix run .#prepare` sets it to its own flake'
         )
     if any(c.isspace() for c in url):
         raise permanent(
-            f"flake = {url!r} contains whitespace, which Nix refuses in a URL (\"is not a valid URL\"): move or "
+            f'flake = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"): move or '
             f"link the flake to a path without spaces and name that in {where}"
         )
     if "#" in url:
@@ -261,12 +261,12 @@ def check_flake_url(flake: str | None) -> str:
         raise permanent(
             f"flake = {url!r} names an attribute (#{fragment}); fdl-prepare picks the attributes itself "
             f"(legacyPackages.<system>.fdl, nix/CONTRACT.md), so Nix would get two fragments. Name the flake "
-            f"alone: \"{bare}\" in {where}"
+            f'alone: "{bare}" in {where}'
         )
     if url.startswith("."):
         raise permanent(
             f"flake = {url!r} is a relative path: Nix would resolve it against the working directory (here "
-            f"{os.getcwd()!r}; `/` under systemd). Write it absolute, e.g. \"path:{os.path.abspath(url)}\", "
+            f'{os.getcwd()!r}; `/` under systemd). Write it absolute, e.g. "path:{os.path.abspath(url)}", '
             f"in {where}"
         )
     scheme = url.partition(":")[0] if ":" in url else ""

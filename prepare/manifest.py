@@ -138,18 +138,18 @@ def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> 
     an absolute path or one climbing out with `..` would build or run
     something the pinned tree does not contain."""
     norm = posixpath.normpath(value.strip()) if value.strip() else ""
-    bad = (
-        not norm
-        or posixpath.isabs(norm)
-        or norm == ".." or norm.startswith("../")
-        or (norm == "." and not allow_dot)
-    )
+    bad = not norm or posixpath.isabs(norm) or norm == ".." or norm.startswith("../") or (norm == "." and not allow_dot)
     if not bad:
         return norm
-    rule = "a path relative to the source root, without '..'" if key == "cwd" else \
-        "a name or a relative path, without '..'"
+    rule = (
+        "a path relative to the source root, without '..'"
+        if key == "cwd"
+        else "a name or a relative path, without '..'"
+    )
     if from_manifest:
-        raise transient(f"the run manifest {FILENAME} has {key} = {value!r}; it must be {rule}: publish a fixed {FILENAME}")
+        raise transient(
+            f"the run manifest {FILENAME} has {key} = {value!r}; it must be {rule}: publish a fixed {FILENAME}"
+        )
     raise permanent(f"source.{key} = {value!r} must be {rule}: fix [join.source] {key} (--source-{key})")
 
 
@@ -200,7 +200,7 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
 
 
 def age(published_epoch: int, now: float) -> str:
-    """"5m ago" style, coarse on purpose: it is read by a person deciding
+    """ "5m ago" style, coarse on purpose: it is read by a person deciding
     whether a box picked up the publish they just made."""
     delta = int(now - published_epoch)
     if delta < -60:
@@ -269,4 +269,3 @@ def check_box(box: Any) -> None:
         value = getattr(box, key, None)
         if value is not None:
             _relative(value, key, False, allow_dot=allow_dot)
-

@@ -191,10 +191,8 @@ def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> Var
     offered = gpus.offered
     driver = gpus.cuda_driver_version
     candidates = [v for v in variants.values() if v.cuda is not None]
-    if driver is not None:
-        runnable = [v for v in candidates if v.cuda is not None and v.cuda <= driver]
-    else:
-        runnable = []
+    # A driver that reports no CUDA version runs none of them.
+    runnable = [v for v in candidates if driver is not None and v.cuda is not None and v.cuda <= driver]
     fitting = [v for v in runnable if all(_covered(v.archs, d) for d in offered)]
     if fitting:
         # The newest CUDA the driver can run: it carries the newest kernels

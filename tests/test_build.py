@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer, valid_path
+
 from prepare import build as build_mod
 from prepare.fail import Fail
 from prepare.spec import PrepareSpec, SourceSpec
@@ -22,8 +22,15 @@ pytestmark = pytest.mark.nix
 REPO = Path(__file__).resolve().parent.parent
 
 
-def spec(flake: str, state: str, source: str | None = None, *, libtorch: str | None = "cpu",
-         cpu_only: bool = True, **box: str) -> PrepareSpec:
+def spec(
+    flake: str,
+    state: str,
+    source: str | None = None,
+    *,
+    libtorch: str | None = "cpu",
+    cpu_only: bool = True,
+    **box: str,
+) -> PrepareSpec:
     """A build spec; `box` are the box's own [join.source] fields."""
     return PrepareSpec(
         source=SourceSpec(from_=source, **box) if source is not None or box else None,
@@ -102,7 +109,9 @@ def test_a_flake_with_a_syntax_error_is_permanent(nix_env, make_flake, state_dir
 
 
 def test_a_flake_missing_the_fdl_attribute_is_permanent(nix_env, make_flake, state_dir):
-    flake = make_flake(flake_nix="{ outputs = { self }: { legacyPackages.x86_64-linux = { }; legacyPackages.aarch64-linux = { }; }; }\n")
+    flake = make_flake(
+        flake_nix="{ outputs = { self }: { legacyPackages.x86_64-linux = { }; legacyPackages.aarch64-linux = { }; }; }\n"
+    )
     fail = expect_fail(spec(flake, state_dir))
     assert fail.permanent
     assert "does not provide attribute" in fail.message
@@ -194,8 +203,9 @@ def test_a_ref_that_does_not_exist_yet_is_transient(nix_env, test_flake, state_d
 # -- the manifest ----------------------------------------------------------------------
 
 
-def test_no_manifest_and_no_bin_is_transient_and_names_publishing_and_source_bin(nix_env, test_flake, state_dir,
-                                                                                 git_source):
+def test_no_manifest_and_no_bin_is_transient_and_names_publishing_and_source_bin(
+    nix_env, test_flake, state_dir, git_source
+):
     src = git_source(trainer(manifest={}))
     events: list[dict] = []
     fail = expect_fail(spec(test_flake, state_dir, src.url), events=events)
@@ -205,19 +215,23 @@ def test_no_manifest_and_no_bin_is_transient_and_names_publishing_and_source_bin
 
 
 def test_a_published_manifest_outranks_the_boxs_own_recipe(nix_env, test_flake, state_dir, git_source):
-    src = git_source({
-        **trainer(manifest={
-            "bin": "published",
-            "cwd": "app",
-            "build": "printf '#!/bin/sh\\necho published\\n' > published && chmod +x published",
-            "args": ["--epochs", "3"],
-            "run": "run-77",
-            "built": True,
-            "published_epoch": int(time.time()) - 300,
-            "origin": "controller-a",
-        }),
-        "app/keep": "x\n",
-    })
+    src = git_source(
+        {
+            **trainer(
+                manifest={
+                    "bin": "published",
+                    "cwd": "app",
+                    "build": "printf '#!/bin/sh\\necho published\\n' > published && chmod +x published",
+                    "args": ["--epochs", "3"],
+                    "run": "run-77",
+                    "built": True,
+                    "published_epoch": int(time.time()) - 300,
+                    "origin": "controller-a",
+                }
+            ),
+            "app/keep": "x\n",
+        }
+    )
     box = {"bin": "boxbin", "cwd": ".", "build": "exit 9"}
     got, notes = run(spec(test_flake, state_dir, src.url, **box))
     assert os.path.basename(got.bin.path) == "published"
@@ -243,15 +257,17 @@ def test_a_manifest_that_omits_a_field_keeps_the_boxs_value(nix_env, test_flake,
 
 def test_the_box_recipe_alone_builds_when_nothing_is_published(nix_env, test_flake, state_dir, git_source):
     src = git_source(trainer(manifest={}))
-    got, notes = run(spec(test_flake, state_dir, src.url, bin="train",
-                          build="printf '#!/bin/sh\\n' > train && chmod +x train"))
+    got, notes = run(
+        spec(test_flake, state_dir, src.url, bin="train", build="printf '#!/bin/sh\\n' > train && chmod +x train")
+    )
     assert os.access(got.bin.path, os.X_OK)
     assert got.run_id is None and got.args is None
     assert any("no run manifest" in n for n in notes)
 
 
-def test_a_published_cwd_missing_from_the_tree_is_transient_and_a_box_cwd_permanent(nix_env, test_flake, state_dir,
-                                                                                    git_source):
+def test_a_published_cwd_missing_from_the_tree_is_transient_and_a_box_cwd_permanent(
+    nix_env, test_flake, state_dir, git_source
+):
     src = git_source(trainer(manifest={"bin": "train", "cwd": "not-there", "build": "true"}))
     fail = expect_fail(spec(test_flake, state_dir, src.url))
     assert not fail.permanent
@@ -290,7 +306,8 @@ def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, g
 
 
 def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_dir):
-    flake = make_flake(extra_nix="""toolchain: {
+    flake = make_flake(
+        extra_nix="""toolchain: {
   pinned = {
     cuda = null;
     archs = [ ];
@@ -301,7 +318,8 @@ def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_di
     };
   };
 }
-""")
+"""
+    )
     fail = expect_fail(spec(flake, state_dir, libtorch="pinned", cpu_only=False))
     assert fail.permanent
     assert "hash mismatch" in fail.message
@@ -309,14 +327,16 @@ def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_di
 
 
 def test_an_assertion_failing_in_the_flake_is_permanent(nix_env, make_flake, state_dir):
-    flake = make_flake(extra_nix="""toolchain: {
+    flake = make_flake(
+        extra_nix="""toolchain: {
   asserted = {
     cuda = null;
     archs = [ ];
     package = assert builtins.pathExists "/nonexistent/fdl-toolkit"; toolchain.mkLibtorch { label = "asserted"; };
   };
 }
-""")
+"""
+    )
     events: list[dict] = []
     fail = expect_fail(spec(flake, state_dir, libtorch="asserted", cpu_only=False), events=events)
     assert fail.permanent
@@ -339,13 +359,16 @@ def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, sta
     training = os.path.dirname(os.path.dirname(got.bin.path))
     assert {got.libtorch.path, training, got.bin.cwd} <= targets
     # Nix registered them: the store's own list of roots names our links.
-    listed = subprocess.run(["nix-store", "--gc", "--print-roots"], capture_output=True, text=True,
-                            env={**os.environ, "NIX_CONFIG": NIX_CONFIG}).stdout
+    listed = subprocess.run(
+        ["nix-store", "--gc", "--print-roots"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
+    ).stdout
     assert os.path.join(roots, "run") in listed
 
 
-def test_a_redial_after_a_new_commit_rebuilds_only_the_training_derivation(nix_env, test_flake, state_dir,
-                                                                          git_source):
+def test_a_redial_after_a_new_commit_rebuilds_only_the_training_derivation(nix_env, test_flake, state_dir, git_source):
     src = git_source(trainer())
     first, _ = run(spec(test_flake, state_dir, src.url))
     src.commit({"model.txt": f"a new layer {time.time_ns()}\n"}, "new layer")
@@ -374,8 +397,7 @@ def test_a_redial_sees_a_new_commit_on_a_remote_ref_at_once(nix_env, test_flake,
     assert second.bin.path != first.bin.path
 
 
-def test_a_second_run_with_nothing_changed_builds_and_downloads_nothing(nix_env, test_flake, state_dir,
-                                                                       git_source):
+def test_a_second_run_with_nothing_changed_builds_and_downloads_nothing(nix_env, test_flake, state_dir, git_source):
     from prepare.pipeline import prepare
 
     src = git_source(trainer())
@@ -398,12 +420,36 @@ def test_sigterm_during_a_build_leaves_no_out_link_to_a_partial_output(nix_env, 
     before = {n: os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
 
     marker = f"{time.time_ns() % 100000 + 100}.{os.getpid()}"
-    src.commit({".fdl-run.toml": manifest_text(
-        bin="train", build=f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train")}, "slow build")
-    argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake,
-            "--source", src.url, "--state-dir", state_dir]
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "NIX_CONFIG": NIX_CONFIG}, cwd=str(REPO))
+    src.commit(
+        {
+            ".fdl-run.toml": manifest_text(
+                bin="train", build=f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
+            )
+        },
+        "slow build",
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "prepare",
+        "--cpu-only",
+        "--libtorch",
+        "cpu",
+        "--flake",
+        test_flake,
+        "--source",
+        src.url,
+        "--state-dir",
+        state_dir,
+    ]
+    child = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
+        cwd=str(REPO),
+    )
     try:
         deadline = time.monotonic() + 60
         while not procs_with(f"sleep {marker}"):
@@ -477,8 +523,7 @@ def test_an_empty_or_relative_git_file_source_is_permanent(nix_env, test_flake, 
 
 
 @pytest.mark.parametrize("flake", ["path:", "."])
-def test_a_flake_that_follows_the_working_directory_is_permanent(nix_env, make_flake, state_dir, monkeypatch,
-                                                                 flake):
+def test_a_flake_that_follows_the_working_directory_is_permanent(nix_env, make_flake, state_dir, monkeypatch, flake):
     """From inside a checkout of the flake, `--flake path:` (or `.`) works
     by accident; from systemd's `/` it copies the filesystem."""
     monkeypatch.chdir(make_flake().removeprefix("path:"))
@@ -499,8 +544,12 @@ def test_a_flake_url_with_a_fragment_is_permanent_before_any_nix_call(nix_env, t
 
 
 def test_check_flake_url_takes_the_flakes_the_runner_is_given():
-    for url in ("path:/nix/store/abc-source?narHash=sha256-x", "github:owner/fdl-prepare",
-                "git+file:///srv/fdl?ref=main&dir=tests/flake", "/srv/fdl-prepare"):
+    for url in (
+        "path:/nix/store/abc-source?narHash=sha256-x",
+        "github:owner/fdl-prepare",
+        "git+file:///srv/fdl?ref=main&dir=tests/flake",
+        "/srv/fdl-prepare",
+    ):
         assert build_mod.check_flake_url(f"  {url} ") == url
 
 
@@ -616,8 +665,7 @@ def _in_thread(call, timeout: float):
     return box
 
 
-def test_a_prepare_waits_for_another_holding_the_state_lock_and_says_so(nix_env, test_flake, state_dir,
-                                                                         lock_holder):
+def test_a_prepare_waits_for_another_holding_the_state_lock_and_says_so(nix_env, test_flake, state_dir, lock_holder):
     lock = os.path.join(state_dir, "lock")
     lock_holder(lock, 1.5)
     events: list[dict] = []
@@ -654,8 +702,9 @@ def test_a_state_lock_held_past_the_bound_is_transient_and_names_the_lock_file(
     assert lock in fail.message and "another fdl-prepare" in fail.message
 
 
-def test_the_state_lock_wait_is_bounded_by_build_timeout_when_it_is_set(nix_env, test_flake, state_dir,
-                                                                         lock_holder, monkeypatch):
+def test_the_state_lock_wait_is_bounded_by_build_timeout_when_it_is_set(
+    nix_env, test_flake, state_dir, lock_holder, monkeypatch
+):
     from dataclasses import replace
 
     monkeypatch.setattr(build_mod, "LOCK_MARGIN_S", 0.5)

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from console import fdl_prepare
 
 
@@ -78,7 +77,9 @@ def test_cpu_only_prepares_with_exit_0_and_a_json_prepared_with_timings_and_note
     assert (Path(box["HOME"]) / ".flodl" / "data").is_dir()
 
 
-def test_a_permanent_failure_in_json_has_kind_and_a_message_naming_the_field(box: dict[str, str], tmp_path: Path) -> None:
+def test_a_permanent_failure_in_json_has_kind_and_a_message_naming_the_field(
+    box: dict[str, str], tmp_path: Path
+) -> None:
     missing = tmp_path / "no-such-dataset"
     done = fdl(box, "--cpu-only", "--json", "--data-path", str(missing))
     assert done.returncode == 78

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.sshfs, pytest.mark.nix]
 # The trainer reports the libtorch it was built against, so the test can
 # tell the variant reached the build, not only the summary.
 BUILD = (
-    "printf '#!/bin/sh\\necho built against %s at %s\\n' \"$FDL_LIBTORCH_VARIANT\" \"$LIBTORCH\" > train "
+    'printf \'#!/bin/sh\\necho built against %s at %s\\n\' "$FDL_LIBTORCH_VARIANT" "$LIBTORCH" > train '
     "&& chmod +x train"
 )
 
@@ -55,8 +55,17 @@ def shared_stage() -> Iterator[Path]:
 
 
 def test_a_healthy_gpu_box_is_prepared_end_to_end_and_a_second_attempt_changes_nothing(
-    fake_nvml, sshd, sshfs_mounts, remote_tree, nix_env, test_flake, git_source, state_dir,
-    forget_mount_lock_of, shared_stage: Path, tmp_path: Path,
+    fake_nvml,
+    sshd,
+    sshfs_mounts,
+    remote_tree,
+    nix_env,
+    test_flake,
+    git_source,
+    state_dir,
+    forget_mount_lock_of,
+    shared_stage: Path,
+    tmp_path: Path,
 ) -> None:
     stage = shared_stage
     point = sshfs_mounts.point("data")
@@ -107,4 +116,6 @@ def test_a_healthy_gpu_box_is_prepared_end_to_end_and_a_second_attempt_changes_n
     assert any("reusing it" in note for note in again["notes"]), again["notes"]
     assert [m.mount_point for m in mounts.read()].count(str(point)) == 1
     assert not [name for name in os.listdir(stage) if name.startswith(dirs.PROBE_PREFIX)]
-    assert not [name for name in os.listdir(tmp_path / "home" / ".flodl" / "data") if name.startswith(dirs.PROBE_PREFIX)]
+    assert not [
+        name for name in os.listdir(tmp_path / "home" / ".flodl" / "data") if name.startswith(dirs.PROBE_PREFIX)
+    ]

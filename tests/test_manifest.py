@@ -24,8 +24,16 @@ origin = "controller-a"
 
 def test_a_full_manifest_parses_every_field():
     got = parse(FULL)
-    assert got == Manifest(bin="train", cwd="crates/train", build="cargo build --release", args=("--epochs", "3"),
-                           run="run-42", built=True, published_epoch=1767225600, origin="controller-a")
+    assert got == Manifest(
+        bin="train",
+        cwd="crates/train",
+        build="cargo build --release",
+        args=("--epochs", "3"),
+        run="run-42",
+        built=True,
+        published_epoch=1767225600,
+        origin="controller-a",
+    )
 
 
 def test_a_published_manifest_outranks_the_boxs_own_recipe():
@@ -33,8 +41,13 @@ def test_a_published_manifest_outranks_the_boxs_own_recipe():
     recipe = merge(box, parse(FULL), URL)
     assert (recipe.bin, recipe.cwd, recipe.build) == ("train", "crates/train", "cargo build --release")
     assert recipe.args == ("--epochs", "3") and recipe.run_id == "run-42"
-    assert recipe.flake_input("cu128", 1) == {"contract": 1, "libtorch": "cu128", "cwd": "crates/train",
-                                              "build": "cargo build --release", "bin": "train"}
+    assert recipe.flake_input("cu128", 1) == {
+        "contract": 1,
+        "libtorch": "cu128",
+        "cwd": "crates/train",
+        "build": "cargo build --release",
+        "bin": "train",
+    }
 
 
 def test_a_manifest_that_omits_a_field_keeps_the_boxs_value():
@@ -119,8 +132,15 @@ def test_read_returns_none_without_a_manifest_and_parses_one_that_is_there(tmp_p
 
 @pytest.mark.parametrize(
     ("delta", "want"),
-    [(0, "0s ago"), (42, "42s ago"), (300, "5m ago"), (3 * 3600 + 600, "3h10m ago"), (20 * 3600, "20h ago"), (30 * 3600, "1d ago"),
-     (3 * 86400, "3d ago")],
+    [
+        (0, "0s ago"),
+        (42, "42s ago"),
+        (300, "5m ago"),
+        (3 * 3600 + 600, "3h10m ago"),
+        (20 * 3600, "20h ago"),
+        (30 * 3600, "1d ago"),
+        (3 * 86400, "3d ago"),
+    ],
 )
 def test_the_age_reads_like_published_5m_ago(delta, want):
     assert age(1_000_000, 1_000_000 + delta) == want

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from nix_fixtures import NIX_CONFIG, require_nix, trainer
+
 from prepare import nix as nix_mod
 from prepare.build import build
 from prepare.fail import Fail
@@ -106,13 +106,17 @@ def test_every_nix_call_carries_the_shared_flags_and_never_impure(nix_env, test_
     full build."""
     real = shutil.which("nix")
     calls = tmp_path / "calls.jsonl"
-    shim = _shim(tmp_path, f"""python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' "$@" >> {calls}
+    shim = _shim(
+        tmp_path,
+        f"""python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' "$@" >> {calls}
 exec {real} "$@"
-""")
+""",
+    )
     state = tmp_path / "state"
     src = git_source(trainer())
-    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
-                       state_dir=str(state))
+    spec = PrepareSpec(
+        source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(state)
+    )
     build(spec, None, [], nix_program=shim)
     argvs = [json.loads(line) for line in calls.read_text().splitlines()]
     subcommands = [next(a for a in argv if a in ("eval", "flake", "build", "--version")) for argv in argvs]
@@ -151,8 +155,14 @@ def test_a_registry_name_fails_fast_without_downloading_the_global_registry(nix_
 
 BUILD_OK = [
     _record(action="start", id=1, level=0, text="", type=104),
-    _record(action="start", id=2, level=3, type=105, text="building '/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv'",
-            fields=["/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv", "", 1, 1]),
+    _record(
+        action="start",
+        id=2,
+        level=3,
+        type=105,
+        text="building '/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv'",
+        fields=["/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv", "", 1, 1],
+    ),
     _record(action="result", id=1, type=105, fields=[0, 1, 1, 0]),
     _record(action="result", id=2, type=104, fields=["buildPhase"]),
     _record(action="result", id=2, type=101, fields=["compiling"]),
@@ -175,9 +185,12 @@ def test_a_finished_build_reads_as_built_with_its_phase():
 
 
 def test_a_failed_build_reads_as_failed_before_the_error_record_arrives():
-    lines = BUILD_OK[:5] + [_record(action="result", id=1, type=105, fields=[0, 0, 0, 1]),
-                            _record(action="stop", id=2), _record(action="stop", id=1),
-                            _error("builder for '/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv' failed with exit code 3")]
+    lines = BUILD_OK[:5] + [
+        _record(action="result", id=1, type=105, fields=[0, 0, 0, 1]),
+        _record(action="stop", id=2),
+        _record(action="stop", id=1),
+        _error("builder for '/nix/store/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa-train.drv' failed with exit code 3"),
+    ]
     events: list[dict] = []
     log = Log(events.append)
     for line in lines:
@@ -198,8 +211,14 @@ def test_downloads_count_their_bytes_and_plain_lines_are_kept():
     events: list[dict] = []
     log = Log(events.append)
     for line in [
-        _record(action="start", id=7, level=4, type=101, text="downloading 'https://c/x.nar.xz'",
-                fields=["https://c/x.nar.xz"]),
+        _record(
+            action="start",
+            id=7,
+            level=4,
+            type=101,
+            text="downloading 'https://c/x.nar.xz'",
+            fields=["https://c/x.nar.xz"],
+        ),
         _record(action="result", id=7, type=105, fields=[512, 2048, 0, 0]),
         _record(action="result", id=7, type=105, fields=[2048, 2048, 0, 0]),
         _record(action="stop", id=7),
@@ -230,25 +249,48 @@ RECORDED = [
     (EVALUATION, "syntax error, unexpected ';'", "evaluation", True),
     (EVALUATION, "flake 'path:/x' does not provide attribute 'legacyPackages.x86_64-linux.fdl'", "evaluation", True),
     (EVALUATION, "assertion '(cuda != null)' failed", "evaluation", True),
-    (EVALUATION, "unable to download 'https://github.com/NixOS/nixpkgs/archive/x.tar.gz': Couldn't resolve host name (6)", "fetch", False),
+    (
+        EVALUATION,
+        "unable to download 'https://github.com/NixOS/nixpkgs/archive/x.tar.gz': Couldn't resolve host name (6)",
+        "fetch",
+        False,
+    ),
     (FETCH, "program 'git' failed with exit code 128", "fetch", False),
     (FETCH, "getting status of '/srv/train': No such file or directory", "fetch", False),
     (FETCH, "writing to file: No space left on device", "no-space", True),
     (BUILD, "builder for '/nix/store/x-train.drv' failed with exit code 3", "builder", False),
     (BUILD, "Cannot build '/nix/store/x-train.drv'.\nReason: builder failed with exit code 3.", "builder", False),
     (BUILD, "building of '/nix/store/x-train.drv!out' from .drv file timed out after 2 seconds", "timeout", False),
-    (BUILD, "hash mismatch in fixed-output derivation '/nix/store/x.drv':\n specified: sha256-A\n got: sha256-B", "hash-mismatch", True),
+    (
+        BUILD,
+        "hash mismatch in fixed-output derivation '/nix/store/x.drv':\n specified: sha256-A\n got: sha256-B",
+        "hash-mismatch",
+        True,
+    ),
     (BUILD, "cannot connect to socket at '/nix/var/nix/daemon-socket/socket': Connection refused", "daemon", False),
     (BUILD, "getting status of /nix/var/nix/daemon-socket/socket: Permission denied", "store-permission", True),
-    (BUILD, "could not set permissions on '/nix/var/nix/profiles/per-user' to 755: Operation not permitted", "store-permission", True),
+    (
+        BUILD,
+        "could not set permissions on '/nix/var/nix/profiles/per-user' to 755: Operation not permitted",
+        "store-permission",
+        True,
+    ),
     (BUILD, "opening lock file '/nix/var/nix/db/big-lock': Permission denied", "store-permission", True),
     (BUILD, "fdl-prepare flake: recipe.json has no `bin`", "evaluation", True),
     # Nix's own installation (2.8 and 2.26 word these the same)
     (BUILD, "the group 'nixbld' specified in 'build-users-group' does not exist", "build-users", True),
-    (EVALUATION, "cannot connect to socket at '/nix/var/nix/daemon-socket/socket': Permission denied",
-     "daemon-refused", True),
-    (BUILD, "cannot open connection to remote store 'daemon': error: user 'ci' is not allowed to connect to the Nix "
-            "daemon", "daemon-refused", True),
+    (
+        EVALUATION,
+        "cannot connect to socket at '/nix/var/nix/daemon-socket/socket': Permission denied",
+        "daemon-refused",
+        True,
+    ),
+    (
+        BUILD,
+        "cannot open connection to remote store 'daemon': error: user 'ci' is not allowed to connect to the Nix daemon",
+        "daemon-refused",
+        True,
+    ),
     (BUILD, "cp: cannot stat '/tmp/user/0/nix-build-train.drv-0/source': Permission denied", "build-dir", True),
     # A path that merely does not exist is not a URL Nix refused.
     (FETCH, "getting status of '/srv/train/data': No such file or directory", "fetch", False),
@@ -303,8 +345,9 @@ def tiny_store(tmp_path):
     _root_only()
     mountpoint = tmp_path / "tiny"
     mountpoint.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mountpoint)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mountpoint)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -319,8 +362,13 @@ def test_a_full_store_is_permanent_even_while_fetching(nix_env, test_flake, tiny
     (big / "weights.bin").write_bytes(os.urandom(4 << 20))
     (big / ".fdl-run.toml").write_text('bin = "x"\n')
     monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = {tiny_store}\n")
-    spec = PrepareSpec(source=SourceSpec(from_=f"path:{big}"), libtorch="cpu", cpu_only=True, flake=test_flake,
-                       state_dir=str(tmp_path / "state"))
+    spec = PrepareSpec(
+        source=SourceSpec(from_=f"path:{big}"),
+        libtorch="cpu",
+        cpu_only=True,
+        flake=test_flake,
+        state_dir=str(tmp_path / "state"),
+    )
     with pytest.raises(Fail) as caught:
         build(spec, None, [])
     assert caught.value.permanent
@@ -343,8 +391,10 @@ def test_a_store_this_user_cannot_write_is_permanent(nix_env, test_flake, tmp_pa
         home.mkdir()
         os.chown(home, 65534, 65534)
         shim = shared / "nix"
-        shim.write_text(f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
-                        f"{shutil.which('nix')} \"$@\"\n")
+        shim.write_text(
+            f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
+            f'{shutil.which("nix")} "$@"\n'
+        )
         shim.chmod(0o755)
         state = shared / "state"
         state.mkdir()
@@ -363,10 +413,16 @@ def test_a_store_this_user_cannot_write_is_permanent(nix_env, test_flake, tmp_pa
 # Current Nix appends curl's own words to a failed download; Nix 2.8 does
 # not, so these are recorded from the format string in filetransfer.cc.
 CUT = [
-    (FETCH, "unable to download 'https://git.example/src.tar.gz': Failure when receiving data from the peer (56) "
-            "Recv failure: Connection reset by peer"),
-    (EVALUATION, "unable to download 'https://api.github.com/repos/NixOS/nixpkgs/tarball/x': Failure when receiving "
-                 "data from the peer (56) Recv failure: Connection reset by peer"),
+    (
+        FETCH,
+        "unable to download 'https://git.example/src.tar.gz': Failure when receiving data from the peer (56) "
+        "Recv failure: Connection reset by peer",
+    ),
+    (
+        EVALUATION,
+        "unable to download 'https://api.github.com/repos/NixOS/nixpkgs/tarball/x': Failure when receiving "
+        "data from the peer (56) Recv failure: Connection reset by peer",
+    ),
     (FETCH, "unexpected end-of-file"),
 ]
 
@@ -418,8 +474,9 @@ def test_a_daemon_that_drops_the_connection_is_still_the_daemon(nix_env, test_fl
 
 def test_a_source_download_reset_by_the_peer_is_a_transient_fetch(nix_env, test_flake, tmp_path, reset_server):
     url = f"http://127.0.0.1:{reset_server}/src.tar.gz"
-    spec = PrepareSpec(source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake,
-                       state_dir=str(tmp_path / "state"))
+    spec = PrepareSpec(
+        source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "state")
+    )
     with pytest.raises(Fail) as caught:
         build(spec, None, [])
     assert not caught.value.permanent
@@ -431,14 +488,16 @@ def test_a_source_download_reset_by_the_peer_is_a_transient_fetch(nix_env, test_
 def test_an_input_fetch_failing_while_the_flake_is_evaluated_says_retry_not_fix_the_flake(
     nix_env, make_flake, tmp_path, reset_server
 ):
-    flake = make_flake(flake_nix=f"""{{
+    flake = make_flake(
+        flake_nix=f"""{{
   inputs.remote = {{ url = "http://127.0.0.1:{reset_server}/remote.tar.gz"; flake = false; }};
   outputs = {{ self, remote }}: {{
     legacyPackages.x86_64-linux.fdl = {{ contract = 1; variants = {{ }}; }};
     legacyPackages.aarch64-linux.fdl = {{ contract = 1; variants = {{ }}; }};
   }};
 }}
-""")
+"""
+    )
     Path(flake.removeprefix("path:"), "flake.lock").unlink()
     with pytest.raises(Fail) as caught:
         build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")), None, [])
@@ -467,8 +526,9 @@ def _unparsable_sources(tmp_path: Path) -> list[tuple[str, str]]:
 def test_a_source_url_nix_cannot_parse_is_permanent_and_names_source_from(nix_env, test_flake, tmp_path, case):
     url, said = _unparsable_sources(tmp_path)[case]
     events: list[dict] = []
-    spec = PrepareSpec(source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake,
-                       state_dir=str(tmp_path / "state"))
+    spec = PrepareSpec(
+        source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "state")
+    )
     with pytest.raises(Fail) as caught:
         build(spec, None, [], progress=events.append)
     assert caught.value.permanent

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from nix_fixtures import NIX_CONFIG, trainer
+
 from prepare import nix as nix_mod
 from prepare.build import build
 from prepare.fail import Fail
@@ -47,8 +47,13 @@ def test_a_build_users_group_that_does_not_exist_is_permanent_and_names_the_inst
     _root_only()
     monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + "build-users-group = fdl-no-such-group\n")
     src = git_source(trainer(nonce=_nonce()))
-    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
-                       state_dir=str(tmp_path / "state"))
+    spec = PrepareSpec(
+        source=SourceSpec(from_=src.url),
+        libtorch="cpu",
+        cpu_only=True,
+        flake=test_flake,
+        state_dir=str(tmp_path / "state"),
+    )
     with pytest.raises(Fail) as caught:
         build(spec, None, [])
     fail = caught.value
@@ -74,8 +79,12 @@ def test_a_daemon_socket_this_user_may_not_open_is_permanent_and_names_the_group
         private = shared / "private"
         private.mkdir(mode=0o700)
         sock = private / "socket"
-        proc = subprocess.Popen([daemon], env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [daemon],
+            env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while not sock.exists():
             assert time.monotonic() < deadline and proc.poll() is None, "nix-daemon never opened its socket"
@@ -84,8 +93,10 @@ def test_a_daemon_socket_this_user_may_not_open_is_permanent_and_names_the_group
         home.mkdir()
         os.chown(home, 54321, 54321)
         shim = shared / "nix"
-        shim.write_text(f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=54321 --regid=54321 --clear-groups "
-                        f"{shutil.which('nix')} --store unix://{sock} \"$@\"\n")
+        shim.write_text(
+            f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=54321 --regid=54321 --clear-groups "
+            f'{shutil.which("nix")} --store unix://{sock} "$@"\n'
+        )
         shim.chmod(0o755)
         flake = shared / "flake"
         shutil.copytree(test_flake.removeprefix("path:"), flake)
@@ -118,8 +129,13 @@ def test_a_stage_the_build_users_cannot_enter_still_builds(nix_env, test_flake, 
         monkeypatch.setenv("TMPDIR", str(stage))
         src = git_source(trainer(nonce=_nonce()))
         notes: list[str] = []
-        spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
-                           state_dir=str(tmp_path / "state"))
+        spec = PrepareSpec(
+            source=SourceSpec(from_=src.url),
+            libtorch="cpu",
+            cpu_only=True,
+            flake=test_flake,
+            state_dir=str(tmp_path / "state"),
+        )
         got = build(spec, None, notes)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
@@ -177,10 +193,12 @@ def test_a_flake_build_that_cannot_find_its_tools_in_the_sandbox_blames_the_flak
     lent = [f"/bin/sh={os.path.realpath('/bin/sh')}"]
     lent += [p for p in ("/lib", "/lib64", "/usr/lib", "/usr/lib64") if os.path.lexists(p)]
     label = f"sbx{_nonce()}"
-    flake = make_flake(extra_nix=f"""toolchain: {{
+    flake = make_flake(
+        extra_nix=f"""toolchain: {{
   {label} = {{ cuda = null; archs = [ ]; package = toolchain.mkLibtorch {{ label = "{label}"; }}; }};
 }}
-""")
+"""
+    )
     monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"sandbox = true\nsandbox-paths = {' '.join(lent)}\n")
     with pytest.raises(Fail) as caught:
         build(PrepareSpec(libtorch=label, cpu_only=False, flake=flake, state_dir=str(tmp_path / "state")), None, [])
@@ -194,8 +212,13 @@ def test_a_flake_build_that_cannot_find_its_tools_in_the_sandbox_blames_the_flak
 
 def test_a_failing_training_build_still_blames_the_training_source(nix_env, test_flake, git_source, tmp_path):
     src = git_source(trainer(build="echo no compiler here >&2; exit 4", nonce=_nonce()))
-    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
-                       state_dir=str(tmp_path / "state"))
+    spec = PrepareSpec(
+        source=SourceSpec(from_=src.url),
+        libtorch="cpu",
+        cpu_only=True,
+        flake=test_flake,
+        state_dir=str(tmp_path / "state"),
+    )
     with pytest.raises(Fail) as caught:
         build(spec, None, [])
     assert not caught.value.permanent
@@ -213,8 +236,10 @@ def test_a_failing_training_build_still_blames_the_training_source(nix_env, test
         # 2.26: the same, as a bare string
         ("/nix/store/aaaa-src", {"path": "/nix/store/aaaa-src"}),
         # both: a derivation; later versions add fields, which are kept
-        ({"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1},
-         {"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1}),
+        (
+            {"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1},
+            {"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1},
+        ),
     ],
 )
 def test_a_build_result_reads_the_same_from_every_version(raw, want):
@@ -239,16 +264,16 @@ def test_an_unknown_shape_from_nix_build_is_a_fail_not_a_traceback(tmp_path):
     assert not caught.value.permanent and "known shape" in caught.value.message
 
 
-def test_a_socket_that_refuses_connections_names_the_daemon_and_how_debian_installs_it(nix_env, test_flake,
-                                                                                      tmp_path, monkeypatch):
+def test_a_socket_that_refuses_connections_names_the_daemon_and_how_debian_installs_it(
+    nix_env, test_flake, tmp_path, monkeypatch
+):
     sock_path = tmp_path / "daemon.sock"
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(sock_path))
     try:
         monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = unix://{sock_path}\n")
         with pytest.raises(Fail) as caught:
-            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None,
-                  [])
+            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None, [])
     finally:
         dead.close()
     assert not caught.value.permanent

@@ -34,7 +34,9 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (PrepareSpec(cpu_only=True, source=SourceSpec(from_=3)), "PrepareSpec.source.from_"),  # type: ignore[arg-type]
     ],
 )
-def test_a_malformed_spec_from_code_is_permanent_and_names_the_spec_field(box: Path, spec: PrepareSpec, field: str) -> None:
+def test_a_malformed_spec_from_code_is_permanent_and_names_the_spec_field(
+    box: Path, spec: PrepareSpec, field: str
+) -> None:
     notes: list[str] = []
     with pytest.raises(Fail) as caught:
         prepare(spec, notes)
@@ -78,13 +80,17 @@ def test_a_source_url_from_code_reaches_the_build_without_surrounding_spaces(
 
     builds: list[PrepareSpec] = []
 
-    def fake_build(spec: PrepareSpec, *args: object, **kwargs: object) -> build.Built:
-        builds.append(spec)
-        return build.Built(libtorch=None, bin=None, args=None, run_id=None)
+    class Reached(Exception):
+        """Steps 4 and 5 were started: what they got is all this test reads."""
 
-    monkeypatch.setattr(build, "build", fake_build)
+    def fake_start(spec: PrepareSpec, *args: object, **kwargs: object) -> build.Session:
+        builds.append(spec)
+        raise Reached
+
+    monkeypatch.setattr(build, "start", fake_start)
     spec = PrepareSpec(cpu_only=True, libtorch="cpu", flake=" path:/srv/fdl ", source=SourceSpec(from_=" path:/srv/x "))
-    prepare(spec, [])
+    with pytest.raises(Reached):
+        prepare(spec, [])
     (built,) = builds
     assert built.source is not None and built.source.from_ == "path:/srv/x"
     assert built.flake == "path:/srv/fdl"

@@ -9,8 +9,8 @@ import select
 import time
 
 import pytest
-
 from nix_fixtures import trainer
+
 from prepare import progress
 from prepare.build import build
 from prepare.spec import PrepareSpec, SourceSpec
@@ -20,10 +20,20 @@ EVENTS = [
     {"type": "download-start", "id": 1, "name": "https://cache.example/abc.narinfo"},
     {"type": "download-done", "id": 1, "name": "https://cache.example/abc.narinfo", "bytes": 300, "seconds": 0.1},
     {"type": "download-start", "id": 2, "name": "https://cache.example/nar/abc.nar.xz"},
-    {"type": "download-progress", "id": 2, "name": "https://cache.example/nar/abc.nar.xz", "done": 1 << 20,
-     "expected": 3 << 20},
-    {"type": "download-done", "id": 2, "name": "https://cache.example/nar/abc.nar.xz", "bytes": 3 << 20,
-     "seconds": 2.0},
+    {
+        "type": "download-progress",
+        "id": 2,
+        "name": "https://cache.example/nar/abc.nar.xz",
+        "done": 1 << 20,
+        "expected": 3 << 20,
+    },
+    {
+        "type": "download-done",
+        "id": 2,
+        "name": "https://cache.example/nar/abc.nar.xz",
+        "bytes": 3 << 20,
+        "seconds": 2.0,
+    },
     {"type": "build-start", "id": 3, "name": "fdl-test-training-cpu"},
     {"type": "build-phase", "id": 3, "name": "fdl-test-training-cpu", "phase": "buildPhase"},
     {"type": "build-done", "id": 3, "name": "fdl-test-training-cpu", "seconds": 1.5, "ok": True, "outcome": "built"},
@@ -122,8 +132,9 @@ def test_the_live_table_reads_its_rows_only_under_the_lock_the_reader_thread_ins
 def test_a_real_build_prints_its_start_and_finish_off_a_terminal(nix_env, test_flake, git_source, state_dir):
     src = git_source(trainer())
     out = io.StringIO()
-    spec = PrepareSpec(source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake,
-                       state_dir=state_dir)
+    spec = PrepareSpec(
+        source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=state_dir
+    )
     build(spec, None, [], progress=progress.renderer(out))
     lines = out.getvalue().splitlines()
     assert "fdl-prepare: building fdl-test-training-cpu" in lines

@@ -23,8 +23,9 @@ WITH_CU126 = {
 
 
 def card(index: int, capability: tuple[int, int] | None, name: str = "NVIDIA Test Card") -> Device:
-    return Device(index=index, name=name, uuid=f"GPU-{index}", capability=capability, memory_total=None,
-                  usable=True, error=None)
+    return Device(
+        index=index, name=name, uuid=f"GPU-{index}", capability=capability, memory_total=None, usable=True, error=None
+    )
 
 
 def box(*caps: tuple[int, int] | None, cuda: tuple[int, int] | None = (12, 8)) -> Gpus:
