@@ -373,3 +373,22 @@ def lock_holder() -> Iterator[Callable[[str, float], subprocess.Popen[str]]]:
             child.wait()
             if child.stdout is not None:
                 child.stdout.close()
+
+
+def nix_as(uid: int, directory: Path, *extra: str) -> Path:
+    """A `nix` in `directory` that runs the real one as `uid` (no groups),
+    with a home of its own there and `extra` arguments first: how a test
+    meets the store or the daemon as a user without rights. `directory`
+    must be one that `uid` may enter (not pytest's 0700 temp dir)."""
+    import shlex
+
+    home = directory / "home"
+    home.mkdir()
+    os.chown(home, uid, uid)
+    shim = directory / "nix"
+    real = shlex.join([require_nix(), *extra])
+    shim.write_text(
+        f'#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid={uid} --regid={uid} --clear-groups {real} "$@"\n'
+    )
+    shim.chmod(0o755)
+    return shim

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, require_nix, trainer
+from nix_fixtures import NIX_CONFIG, nix_as, require_nix, trainer
 
 from prepare import nix as nix_mod
 from prepare.build import build
@@ -387,15 +387,7 @@ def test_a_store_this_user_cannot_write_is_permanent(nix_env, test_flake, tmp_pa
         shared.chmod(0o755)
         flake = shared / "flake"
         shutil.copytree(test_flake.removeprefix("path:"), flake)
-        home = shared / "home"
-        home.mkdir()
-        os.chown(home, 65534, 65534)
-        shim = shared / "nix"
-        shim.write_text(
-            f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=65534 --regid=65534 --clear-groups "
-            f'{shutil.which("nix")} "$@"\n'
-        )
-        shim.chmod(0o755)
+        shim = nix_as(65534, shared)
         state = shared / "state"
         state.mkdir()
         runner = Nix(str(state), program=str(shim), env={**os.environ, "NIX_REMOTE": "local"})

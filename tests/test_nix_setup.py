@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, trainer
+from nix_fixtures import NIX_CONFIG, nix_as, trainer
 
 from prepare import nix as nix_mod
 from prepare.build import build
@@ -89,15 +89,7 @@ def test_a_daemon_socket_this_user_may_not_open_is_permanent_and_names_the_group
         while not sock.exists():
             assert time.monotonic() < deadline and proc.poll() is None, "nix-daemon never opened its socket"
             time.sleep(0.05)
-        home = shared / "home"
-        home.mkdir()
-        os.chown(home, 54321, 54321)
-        shim = shared / "nix"
-        shim.write_text(
-            f"#!/bin/sh\nexport HOME={home}\nexec setpriv --reuid=54321 --regid=54321 --clear-groups "
-            f'{shutil.which("nix")} --store unix://{sock} "$@"\n'
-        )
-        shim.chmod(0o755)
+        shim = nix_as(54321, shared, "--store", f"unix://{sock}")
         flake = shared / "flake"
         shutil.copytree(test_flake.removeprefix("path:"), flake)
         for path in [flake, *flake.rglob("*")]:
