@@ -83,7 +83,7 @@ def test_a_lock_that_cannot_be_opened_is_the_callers_fail(tmp_path: Path) -> Non
         pytest.raises(Fail) as caught,
         locks.held(str(tmp_path / "missing" / "lock"), 1.0, cannot_open=_unopenable, stuck="stuck"),
     ):
-        pass
+        pytest.fail("a lock in a missing directory was taken")
     assert caught.value.permanent
     assert caught.value.message.startswith("cannot open the test lock: ")
 

@@ -35,6 +35,12 @@ def _fix(fail: Fail) -> str:
     return fail.message.split("Fix:")[1]
 
 
+def _cpu_spec(flake: str, source: str, tmp_path: Path) -> PrepareSpec:
+    return PrepareSpec(
+        source=SourceSpec(from_=source), libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")
+    )
+
+
 def _nonce() -> str:
     return f"{time.time_ns()}"
 
@@ -47,13 +53,7 @@ def test_a_build_users_group_that_does_not_exist_is_permanent_and_names_the_inst
     _root_only()
     monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + "build-users-group = fdl-no-such-group\n")
     src = git_source(trainer(nonce=_nonce()))
-    spec = PrepareSpec(
-        source=SourceSpec(from_=src.url),
-        libtorch="cpu",
-        cpu_only=True,
-        flake=test_flake,
-        state_dir=str(tmp_path / "state"),
-    )
+    spec = _cpu_spec(test_flake, src.url, tmp_path)
     with pytest.raises(Fail) as caught:
         build(spec, None, [])
     fail = caught.value
@@ -121,14 +121,7 @@ def test_a_stage_the_build_users_cannot_enter_still_builds(nix_env, test_flake, 
         monkeypatch.setenv("TMPDIR", str(stage))
         src = git_source(trainer(nonce=_nonce()))
         notes: list[str] = []
-        spec = PrepareSpec(
-            source=SourceSpec(from_=src.url),
-            libtorch="cpu",
-            cpu_only=True,
-            flake=test_flake,
-            state_dir=str(tmp_path / "state"),
-        )
-        got = build(spec, None, notes)
+        got = build(_cpu_spec(test_flake, src.url, tmp_path), None, notes)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     assert got.bin is not None and os.access(got.bin.path, os.X_OK)
@@ -204,13 +197,7 @@ def test_a_flake_build_that_cannot_find_its_tools_in_the_sandbox_blames_the_flak
 
 def test_a_failing_training_build_still_blames_the_training_source(nix_env, test_flake, git_source, tmp_path):
     src = git_source(trainer(build="echo no compiler here >&2; exit 4", nonce=_nonce()))
-    spec = PrepareSpec(
-        source=SourceSpec(from_=src.url),
-        libtorch="cpu",
-        cpu_only=True,
-        flake=test_flake,
-        state_dir=str(tmp_path / "state"),
-    )
+    spec = _cpu_spec(test_flake, src.url, tmp_path)
     with pytest.raises(Fail) as caught:
         build(spec, None, [])
     assert not caught.value.permanent
