@@ -333,6 +333,9 @@ def test_an_unreachable_daemon_socket_is_transient(nix_env, test_flake, tmp_path
     assert not caught.value.permanent
     assert "cannot connect to socket" in caught.value.message
     assert "nix-daemon" in caught.value.message
+    # Named as the installation's, with how Debian installs the daemon.
+    fix = caught.value.message.split("Fix:")[1]
+    assert "Nix installation" in fix and "nix-setup-systemd" in fix and "systemctl start nix-daemon" in fix
 
 
 def _root_only() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -241,20 +240,3 @@ def test_an_unknown_shape_from_nix_build_is_a_fail_not_a_traceback(tmp_path):
     with pytest.raises(Fail) as caught:
         runner.build(["/nix/store/aaaa-x"], out_link=None)
     assert not caught.value.permanent and "known shape" in caught.value.message
-
-
-def test_a_socket_that_refuses_connections_names_the_daemon_and_how_debian_installs_it(
-    nix_env, test_flake, tmp_path, monkeypatch
-):
-    sock_path = tmp_path / "daemon.sock"
-    dead = socket.socket(socket.AF_UNIX)
-    dead.bind(str(sock_path))
-    try:
-        monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = unix://{sock_path}\n")
-        with pytest.raises(Fail) as caught:
-            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None, [])
-    finally:
-        dead.close()
-    assert not caught.value.permanent
-    fix = _fix(caught.value)
-    assert "Nix installation" in fix and "nix-setup-systemd" in fix and "systemctl start nix-daemon" in fix
