@@ -51,6 +51,7 @@ from urllib.parse import parse_qs, urlsplit
 from prepare import config, dirs, human, locks, outputs
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
+from prepare import record as record_mod
 from prepare import variants as variants_mod
 from prepare.fail import permanent
 from prepare.nix_log import Log, store_name
@@ -319,6 +320,12 @@ class Session:
         self.step = step
         self.system = nix_mod.system()
         self.fdl = f"{flake}#legacyPackages.{self.system}.fdl"
+        # Filled by choose_variant: the flake's identity for the warm-path
+        # record (None: evaluate as usual), the record when it is this
+        # flake's, and the variant metadata to record.
+        self.flake_key: str | None = None
+        self.record: record_mod.Record | None = None
+        self.variants_raw: Any = None
         self._held = ExitStack()
         try:
             self._held.enter_context(_locked(state, lock_wait_s(spec.build_timeout_s), step, notes))
@@ -387,6 +394,24 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
     cards, from the flake's metadata by evaluation: nothing is fetched or
     built before a card the variant ships no kernel for is refused."""
     spec, flake, system = session.spec, session.flake, session.system
+    identity = session.nix.flake_identity(flake)
+    session.flake_key = None if identity is None else record_mod.key(identity, system, CONTRACT)
+    known = None if session.flake_key is None else record_mod.load(session.state)
+    if known is not None and known.flake_key == session.flake_key and not spec.refresh:
+        # This flake, as locked, was evaluated by an earlier attempt, which
+        # checked its contract: its variants are what it said then.
+        session.record = known
+        session.variants_raw = known.variants
+    else:
+        session.variants_raw = _evaluate_variants(session)
+    variants = variants_mod.parse_variants(session.variants_raw, flake)
+    if spec.libtorch is None and not spec.cpu_only:
+        session.notes.append('libtorch not set: choosing automatically (libtorch = "auto")')
+    return variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, flake, session.notes)
+
+
+def _evaluate_variants(session: Session) -> Any:
+    flake, system = session.flake, session.system
     session.step("evaluate", f"libtorch variants of {flake}")
     meta = session.nix.eval_json(
         session.fdl,
@@ -401,10 +426,7 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
             f"the flake {flake!r} speaks contract {contract!r} (legacyPackages.{system}.fdl.contract), this "
             f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point flake (--flake) at a matching revision"
         )
-    variants = variants_mod.parse_variants(meta.get("variants"), flake)
-    if spec.libtorch is None and not spec.cpu_only:
-        session.notes.append('libtorch not set: choosing automatically (libtorch = "auto")')
-    return variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, flake, session.notes)
+    return meta.get("variants")
 
 
 def fetch_source(session: Session) -> Source | None:
@@ -430,14 +452,34 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
     """Step 5, second half: one `nix build` of libtorch, the training binary
     and the fetched tree (pinned by store path and NAR hash, the recipe
     passed as a flake input), with GC roots under the state directory."""
+    out_link = os.path.join(session.state, "gcroots", "run")
+    flake_input = None if source is None else source.recipe.flake_input(variant.label, CONTRACT)
+    plan_key = None
+    if session.flake_key is not None:
+        nar_hash = None if source is None else source.fetched.nar_hash
+        plan_key = record_mod.key(session.flake_key, variant.label, nar_hash, flake_input)
+    known = session.record
+    if (
+        plan_key is not None
+        and known is not None
+        and known.plan is not None
+        and known.plan.key == plan_key
+        and record_mod.still_there(known.plan.results, out_link)
+    ):
+        session.notes.append(
+            "nothing evaluated: the flake, the training source, the recipe and the variant are those of an "
+            f"earlier attempt, whose outputs are still in the store ({os.path.join(session.state, record_mod.NAME)}; "
+            "--refresh evaluates anyway)"
+        )
+        return _built(session, variant, source, known.plan.results, Log())
+
     installables = [f"{session.fdl}.libtorch.{variant.label}"]
     overrides: dict[str, str] = {}
-    if source is not None:
-        recipe_dir = outputs.write_recipe(session.state, source.recipe.flake_input(variant.label, CONTRACT))
+    if source is not None and flake_input is not None:
+        recipe_dir = outputs.write_recipe(session.state, flake_input)
         overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
         installables += [f"{session.fdl}.training", source.fetched.store_path]
     session.step("build", ", ".join(_short(i) for i in installables))
-    out_link = os.path.join(session.state, "gcroots", "run")
     results, log = session.nix.build(
         installables,
         out_link=out_link,
@@ -448,7 +490,13 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
         + (f" and the training binary from {source.fetched.url!r}" if source is not None else ""),
     )
     outputs.prune_links(out_link, outputs.store_paths(results))
-    return _built(session, variant, source, results, log)
+    built = _built(session, variant, source, results, log)
+    if session.flake_key is not None and plan_key is not None:
+        plan = record_mod.Plan(key=plan_key, results=results)
+        record_mod.save(session.state, record_mod.Record(session.flake_key, session.variants_raw, plan))
+    else:
+        record_mod.forget(session.state)
+    return built
 
 
 def build(

@@ -335,6 +335,14 @@ FIELDS: tuple[Field, ...] = (
         help="Abandon a build running longer than this (transient).",
     ),
     Field(
+        key="refresh",
+        flag="--refresh",
+        spec="refresh",
+        kind=BOOLEAN,
+        default=False,
+        help="Evaluate and build as if nothing were known from earlier attempts (the warm-path record is ignored).",
+    ),
+    Field(
         key="source.from",
         flag="--source",
         spec="source.from_",

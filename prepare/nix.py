@@ -205,6 +205,42 @@ class Nix:
                 f"({outcome.completed.stdout[:200]!r}); the next attempt retries"
             ) from None
 
+    def flake_identity(self, flake: str, *, timeout: float = FETCH_TIMEOUT_S) -> str | None:
+        """What decides the flake's outputs, without evaluating them: the
+        flake resolved and locked (`nix flake metadata`), as one string, or
+        None when that cannot be told (the call failed, or the flake's tree
+        or one of its inputs has no content hash, e.g. a dirty git tree on
+        some versions). None only ever means "evaluate as usual": a failure
+        here is the evaluation's to report, with its own words and kind.
+
+        The NAR hash of the flake's tree covers flake.nix, flake.lock and
+        every file the flake imports from it; the lock nodes cover inputs
+        that flake.lock does not pin (Nix locks them afresh for the call).
+        `lastModified` is left out: a touched but unchanged tree is the
+        same flake."""
+        self._ensure_registry()
+        argv = self._common() + ["flake", "metadata", "--json", "--no-write-lock-file", flake]
+        try:
+            completed = self._run(argv, timeout, Log())
+            data = json.loads(completed.stdout) if completed.returncode == 0 else None
+        except (proc.TimedOut, ValueError):
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("locked"), dict):
+            return None
+        nar_hash = data["locked"].get("narHash")
+        if not isinstance(nar_hash, str) or not nar_hash:
+            return None
+        nodes = (data.get("locks") or {}).get("nodes") if isinstance(data.get("locks"), dict) else None
+        inputs = {}
+        for name, node in (nodes or {}).items():
+            locked = node.get("locked") if isinstance(node, dict) else None
+            if isinstance(locked, dict):
+                if not locked.get("narHash"):
+                    return None
+                inputs[name] = {k: v for k, v in locked.items() if k != "lastModified"}
+        flake_locked = {k: v for k, v in data["locked"].items() if k != "lastModified"}
+        return json.dumps({"flake": flake_locked, "inputs": inputs}, sort_keys=True)
+
     def build(
         self,
         installables: Sequence[str],

@@ -86,6 +86,9 @@ class PrepareSpec:
     list_timeout_s: float = 10.0
     # A build stuck past this many seconds is abandoned (transient). None: no limit.
     build_timeout_s: float | None = None
+    # Ignore what earlier attempts settled (<state>/warm.json): evaluate the
+    # flake and build as on a first attempt, then record afresh.
+    refresh: bool = False
     # Where each value came from, by spec path ("state_dir", "ssh.port"), when
     # the config resolved it from flags, a file and the environment; empty for
     # a spec built in code. Not part of equality: the same values from a flag

@@ -12,9 +12,11 @@ environment a child process should get.
 (flake.nix, toolchain.nix, flake.lock, nix/ beside them). Variants `cpu`,
 `cu128`.
 
-`make_flake` (function) -> `(extra_nix=None, flake_nix=None) -> str`: a
-fresh flat copy, with `extra.nix` (a function toolchain -> variants) and/or
-a replaced flake.nix, as `path:<dir>`.
+`make_flake` (function) -> `(extra_nix=None, flake_nix=None, heavy=None) -> str`:
+a fresh flat copy, with `extra.nix` (a function toolchain -> variants), a
+replaced flake.nix, and/or `heavy.nix` (the size of the attribute set the
+flake generates before `fdl`: 600000 costs about 1.3 s of evaluation here),
+as `path:<dir>`.
 
 `git_source` (function) -> `(files) -> GitSource`: a git repository on
 branch `main` with `files` ({relative path: text}) committed.
@@ -130,10 +132,12 @@ def test_flake(tmp_path_factory: pytest.TempPathFactory) -> str:
 def make_flake(tmp_path: Path) -> Callable[..., str]:
     counter = iter(range(1000))
 
-    def make(extra_nix: str | None = None, flake_nix: str | None = None) -> str:
+    def make(extra_nix: str | None = None, flake_nix: str | None = None, heavy: int | None = None) -> str:
         dest = _flat_copy(tmp_path / f"flake{next(counter)}")
         if extra_nix is not None:
             (dest / "extra.nix").write_text(extra_nix)
+        if heavy is not None:
+            (dest / "heavy.nix").write_text(f"{heavy}\n")
         if flake_nix is not None:
             (dest / "flake.nix").write_text(flake_nix)
         return f"path:{dest}"

@@ -306,6 +306,7 @@ WRONG_TYPES = [
     ("join", "devices", "[]", ["offers no device"]),
     ("join", "cpu_only", '"true"', ["expected true or false", "cpu_only = true"]),
     ("join", "cpu_only", "1", ["expected true or false"]),
+    ("join", "refresh", '"yes"', ["expected true or false", "refresh = true"]),
     ("join", "flake", '{ url = "x" }', ["expected a string, got a table"]),
     ("join", "state_dir", "1979-05-27", ["expected a string, got a date/time"]),
     ("join", "list_timeout", '"30"', ["expected a number", "list_timeout = 30"]),

@@ -120,7 +120,10 @@ exec {real} "$@"
     build(spec, None, [], nix_program=shim)
     argvs = [json.loads(line) for line in calls.read_text().splitlines()]
     subcommands = [next(a for a in argv if a in ("eval", "flake", "build", "--version")) for argv in argvs]
-    assert subcommands == ["--version", "eval", "flake", "build"]
+    # The flake resolved (no evaluation), its variants evaluated, the source
+    # fetched, the build.
+    assert subcommands == ["--version", "flake", "eval", "flake", "build"]
+    assert argvs[1][argvs[1].index("flake") + 1] == "metadata" and "--no-write-lock-file" in argvs[1]
     registry = str(state / "flake-registry.json")
     assert json.loads(Path(registry).read_text()) == {"flakes": [], "version": 2}
     for argv in argvs[1:]:
@@ -131,9 +134,9 @@ exec {real} "$@"
         assert "--option accept-flake-config false" in joined
         assert "--impure" not in argv and "--accept-flake-config" not in argv
         assert "--json" in argv
-    for argv in (argvs[1], argvs[3]):
+    for argv in (argvs[2], argvs[4]):
         assert "--no-write-lock-file" in argv and "--no-eval-cache" in argv
-    build_argv = argvs[3]
+    build_argv = argvs[4]
     i = build_argv.index("source")
     assert build_argv[i - 1] == "--override-input" and build_argv[i + 1].startswith("path:/nix/store/")
     assert "narHash=sha256-" in build_argv[i + 1]

@@ -36,6 +36,19 @@
       # extra.nix here is a function toolchain -> { <label> = { cuda; archs; package; }; }.
       extraVariants = if builtins.pathExists ./extra.nix then import ./extra.nix else (_toolchain: { });
 
+      # An evaluation as costly as nixpkgs' (seconds, not milliseconds), for
+      # the warm-path tests and bench/warm_path.py: a heavy.nix here holds
+      # the size of an attribute set generated on the way to `fdl`. Reading
+      # the flake's metadata does not evaluate it; evaluating `fdl` does.
+      weight = if builtins.pathExists ./heavy.nix then import ./heavy.nix else 0;
+      generated = builtins.listToAttrs (
+        builtins.genList (i: {
+          name = "a${toString i}";
+          value = i;
+        }) weight
+      );
+      settled = builtins.length (builtins.attrNames generated);
+
       systems = [
         "x86_64-linux"
         "aarch64-linux"
@@ -51,15 +64,17 @@
     in
     {
       legacyPackages = forSystems (system: {
-        fdl = import (nixDir + "/contract.nix") {
-          inherit
-            system
-            source
-            recipe
-            extraVariants
-            ;
-          toolchain = import ./toolchain.nix { inherit system; };
-        };
+        fdl = builtins.seq settled (
+          import (nixDir + "/contract.nix") {
+            inherit
+              system
+              source
+              recipe
+              extraVariants
+              ;
+            toolchain = import ./toolchain.nix { inherit system; };
+          }
+        );
       });
     };
 }

@@ -1,0 +1,333 @@
+"""A re-dial that evaluates nothing: what an earlier attempt settled is kept
+under the state directory (prepare/record.py) and trusted only while it
+still holds. Every count here comes from a `nix` shim that logs each call
+and runs the real one: an evaluation is a call of `nix eval` or `nix build`
+(a build of a flake attribute evaluates the flake)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from nix_fixtures import NIX_CONFIG, manifest_text, trainer
+
+from prepare import record
+from prepare.build import Built, build
+from prepare.spec import PrepareSpec, SourceSpec
+
+pytestmark = pytest.mark.nix
+
+EVALUATING = ("eval", "build")
+
+
+class Counting:
+    """A `nix` that logs its subcommands before running the real one."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        real = shutil.which("nix")
+        assert real is not None
+        self.log = tmp_path / "nix-calls.jsonl"
+        self.program = str(tmp_path / "bin" / "nix")
+        Path(self.program).parent.mkdir(exist_ok=True)
+        Path(self.program).write_text(
+            "#!/bin/sh\n"
+            f"python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' \"$@\" >> {self.log}\n"
+            f'exec {real} "$@"\n'
+        )
+        Path(self.program).chmod(0o755)
+
+    def calls(self) -> list[list[str]]:
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        self.log.unlink()
+        return [json.loads(line) for line in lines]
+
+    def evaluations(self) -> int:
+        subcommands = [
+            next((a for a in argv if a in ("eval", "build", "flake", "--version")), "") for argv in self.calls()
+        ]
+        return sum(1 for s in subcommands if s in EVALUATING)
+
+
+@pytest.fixture
+def nix(tmp_path: Path, nix_env: dict[str, str]) -> Counting:
+    return Counting(tmp_path)
+
+
+def attempt(nix: Counting, spec: PrepareSpec, notes: list[str] | None = None, events: list | None = None) -> Built:
+    return build(
+        spec, None, notes if notes is not None else [], progress=events.append if events is not None else None,
+        nix_program=nix.program,
+    )  # fmt: skip
+
+
+def cpu_spec(flake: str, state: str, source: str | None, **box: str) -> PrepareSpec:
+    return PrepareSpec(
+        source=SourceSpec(from_=source, **box) if source is not None else None,
+        libtorch="cpu",
+        cpu_only=True,
+        flake=flake,
+        state_dir=state,
+    )
+
+
+def built_names(events: list[dict]) -> list[str]:
+    return [e["name"] for e in events if e["type"] == "build-start"]
+
+
+# -- the counts ----------------------------------------------------------------------
+
+
+def test_a_warm_attempt_evaluates_nothing_and_prepares_the_same(nix, make_flake, state_dir, git_source):
+    flake = make_flake(heavy=600000)
+    src = git_source(trainer())
+    spec = cpu_spec(flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    assert nix.evaluations() == 2  # a new flake: its variants before the source is fetched, then the build
+
+    notes: list[str] = []
+    events: list[dict] = []
+    second = attempt(nix, spec, notes, events)
+    assert nix.evaluations() == 0
+    assert second == first
+    assert not [e for e in events if e["type"] in ("build-start", "download-start", "substitute-start")]
+    assert any(n.startswith("nothing evaluated:") and "--refresh" in n for n in notes)
+    assert "nothing built, nothing downloaded" in notes
+
+
+def test_a_new_commit_on_the_source_ref_evaluates_once_and_builds_only_the_training(
+    nix, test_flake, state_dir, git_source
+):
+    src = git_source(trainer())
+    spec = cpu_spec(test_flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    nix.calls()
+    src.commit(trainer(), "a new publish")
+    events: list[dict] = []
+    second = attempt(nix, spec, events=events)
+    assert nix.evaluations() == 1
+    assert second.bin != first.bin and second.libtorch == first.libtorch
+    assert [n for n in built_names(events)] == ["fdl-test-training-cpu"]
+
+
+def test_a_changed_box_recipe_evaluates_once(nix, test_flake, state_dir, git_source):
+    # No manifest `build`: the box's own recipe decides it.
+    src = git_source(trainer(manifest={"bin": "train"}))
+    build_line = "printf '#!/bin/sh\\necho %s\\n' > train && chmod +x train"
+    first = attempt(nix, cpu_spec(test_flake, state_dir, src.url, build=build_line % "one"))
+    nix.calls()
+    second = attempt(nix, cpu_spec(test_flake, state_dir, src.url, build=build_line % "two"))
+    assert nix.evaluations() == 1
+    assert second.bin != first.bin
+    assert subprocess.run([second.bin.path], capture_output=True, text=True).stdout.strip() == "two"
+
+
+def test_a_changed_variant_evaluates_once(nix, make_flake, state_dir, git_source):
+    flake = make_flake(
+        extra_nix="""toolchain: {
+  cpu2 = { cuda = null; archs = [ ]; package = toolchain.mkLibtorch { label = "cpu2"; }; };
+}
+"""
+    )
+    src = git_source(trainer())
+    spec = replace(cpu_spec(flake, state_dir, src.url), cpu_only=False)
+    attempt(nix, spec)
+    nix.calls()
+    got = attempt(nix, replace(spec, libtorch="cpu2"))
+    assert nix.evaluations() == 1
+    assert got.libtorch is not None and got.libtorch.variant == "cpu2"
+
+
+def test_a_changed_flake_is_evaluated_afresh(nix, make_flake, state_dir, git_source, tmp_path):
+    src = git_source(trainer())
+    flake = make_flake()
+    attempt(nix, cpu_spec(flake, state_dir, src.url))
+    nix.calls()
+    # The same flake with one more variant: a new tree, a new identity.
+    Path(flake.removeprefix("path:"), "extra.nix").write_text(
+        'toolchain: { cpu3 = { cuda = null; archs = [ ]; package = toolchain.mkLibtorch { label = "cpu3"; }; }; }\n'
+    )
+    spec = replace(cpu_spec(flake, state_dir, src.url), cpu_only=False, libtorch="cpu3")
+    got = attempt(nix, spec)
+    assert nix.evaluations() == 2  # its variants (before the source is fetched), then the build
+    assert got.libtorch is not None and got.libtorch.variant == "cpu3"
+    attempt(nix, spec)
+    assert nix.evaluations() == 0
+
+
+def test_refresh_evaluates_anyway_and_records_afresh(nix, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    spec = cpu_spec(test_flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    nix.calls()
+    again = attempt(nix, replace(spec, refresh=True))
+    assert nix.evaluations() == 2 and again == first
+    assert attempt(nix, spec) == first and nix.evaluations() == 0
+
+
+def test_a_libtorch_only_build_is_warm_too(nix, test_flake, state_dir):
+    spec = cpu_spec(test_flake, state_dir, None)
+    first = attempt(nix, spec)
+    nix.calls()
+    assert attempt(nix, spec) == first
+    assert nix.evaluations() == 0
+
+
+# -- any doubt means the normal path ----------------------------------------------------
+
+
+def _warm(nix: Counting, spec: PrepareSpec) -> Built:
+    first = attempt(nix, spec)
+    nix.calls()
+    return first
+
+
+def test_a_deleted_out_link_means_the_normal_path_and_the_link_back(nix, test_flake, state_dir, git_source):
+    spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
+    first = _warm(nix, spec)
+    roots = Path(state_dir) / "gcroots"
+    victim = sorted(roots.iterdir())[0]
+    victim.unlink()
+    assert attempt(nix, spec) == first
+    assert nix.evaluations() == 1
+    assert victim.is_symlink()
+
+
+def test_a_collected_store_path_means_the_normal_path_and_a_rebuild(nix, test_flake, state_dir, git_source):
+    spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
+    first = _warm(nix, spec)
+    assert first.bin is not None
+    training = str(Path(first.bin.path).parent.parent)
+    # What a garbage collection does once nothing holds the path: the
+    # out-link goes first (it is the root), then the path itself.
+    for link in (Path(state_dir) / "gcroots").iterdir():
+        if os.readlink(link) == training:
+            link.unlink()
+    done = subprocess.run(
+        ["nix-store", "--delete", training],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
+    )
+    assert done.returncode == 0, done.stderr
+    events: list[dict] = []
+    again = attempt(nix, spec, events=events)
+    assert again == first and os.path.exists(training)
+    assert nix.evaluations() == 1
+    assert built_names(events) == ["fdl-test-training-cpu"]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[: len(text) // 2],
+        lambda text: "not json at all",
+        lambda text: json.dumps({**json.loads(text), "version": 99}),
+        lambda text: json.dumps({**json.loads(text), "plan": {"key": "x", "results": [{"path": "/etc/passwd"}]}}),
+        lambda text: "[" * 100000,
+        lambda text: "",
+    ],
+    ids=["truncated", "garbage", "other-version", "foreign-path", "deep", "empty"],
+)
+def test_a_damaged_record_means_the_normal_path_and_the_right_answer(
+    nix, test_flake, state_dir, git_source, damage: Callable[[str], str]
+):
+    spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
+    first = _warm(nix, spec)
+    path = Path(state_dir) / record.NAME
+    path.write_text(damage(path.read_text()))
+    assert attempt(nix, spec) == first
+    assert nix.evaluations() >= 1
+    # ... and the record is whole again.
+    assert attempt(nix, spec) == first and nix.evaluations() == 0
+
+
+def test_a_record_reached_through_a_symlink_is_not_read(nix, test_flake, state_dir, git_source, tmp_path):
+    spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
+    first = _warm(nix, spec)
+    path = Path(state_dir) / record.NAME
+    elsewhere = tmp_path / "planted.json"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)
+    assert attempt(nix, spec) == first
+    assert nix.evaluations() >= 1
+    assert not path.is_symlink()
+
+
+# -- concurrency ---------------------------------------------------------------------
+
+
+def test_a_reader_never_sees_a_half_written_record(tmp_path):
+    # Records of very different sizes, written over each other as fast as
+    # possible while another thread reads: every read is one whole record.
+    state = str(tmp_path)
+    small = record.Record("a" * 64, {"cpu": {"label": "cpu"}})
+    large = record.Record(
+        "b" * 64,
+        {f"v{i}": {"label": f"v{i}", "archs": ["8.6"] * 50} for i in range(200)},
+        record.Plan("k", [{"drvPath": "/nix/store/x-a.drv", "outputs": {"out": "/nix/store/x-a"}}]),
+    )
+    record.save(state, small)
+    stop = threading.Event()
+    seen: list[object] = []
+
+    def write() -> None:
+        while not stop.is_set():
+            record.save(state, large)
+            record.save(state, small)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(2000):
+            seen.append(record.load(state))
+    finally:
+        stop.set()
+        writer.join()
+    assert all(r in (small, large) for r in seen), [r for r in seen if r not in (small, large)][:1]
+    assert small in seen and large in seen
+    assert not [n for n in os.listdir(state) if n.endswith(".tmp")]
+
+
+def test_two_concurrent_attempts_on_one_state_directory_agree(nix_env, test_flake, state_dir, git_source):
+    spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
+    results: list[Built] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            results.append(build(spec, None, []))
+        except BaseException as error:  # noqa: BLE001 - reported below, with the assertion
+            errors.append(error)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 2 and results[0] == results[1]
+    assert record.load(state_dir) is not None
+
+
+def test_a_manifest_changed_without_a_new_commit_is_not_missed(nix, test_flake, state_dir, tmp_path):
+    # A path: source edited in place: its NAR hash changes, so does the key.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    line = "printf '#!/bin/sh\\necho %s\\n' > train && chmod +x train"
+    (tree / ".fdl-run.toml").write_text(manifest_text(bin="train", build=line % "a"))
+    spec = cpu_spec(test_flake, state_dir, f"path:{tree}")
+    first = attempt(nix, spec)
+    nix.calls()
+    (tree / ".fdl-run.toml").write_text(manifest_text(bin="train", build=line % "b"))
+    second = attempt(nix, spec)
+    assert nix.evaluations() == 1 and second.bin != first.bin
+    assert subprocess.run([second.bin.path], capture_output=True, text=True).stdout.strip() == "b"
