@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -265,35 +266,56 @@ def test_a_record_reached_through_a_symlink_is_not_read(nix, test_flake, state_d
 # -- concurrency ---------------------------------------------------------------------
 
 
+_WRITER = """
+import os, sys
+from prepare import record
+state, stop = sys.argv[1], sys.argv[2]
+small = record.Record("a" * 64, {"cpu": {"label": "cpu"}})
+large = record.Record(
+    "b" * 64,
+    {f"v{i}": {"label": f"v{i}", "archs": ["8.6"] * 50} for i in range(200)},
+    record.Plan("k", [{"drvPath": "/nix/store/x-a.drv", "outputs": {"out": "/nix/store/x-a"}}]),
+)
+while not os.path.exists(stop):
+    record.save(state, large)
+    record.save(state, small)
+"""
+
+
 def test_a_reader_never_sees_a_half_written_record(tmp_path):
     # Records of very different sizes, written over each other as fast as
-    # possible while another thread reads: every read is one whole record.
-    state = str(tmp_path)
-    small = record.Record("a" * 64, {"cpu": {"label": "cpu"}})
-    large = record.Record(
-        "b" * 64,
-        {f"v{i}": {"label": f"v{i}", "archs": ["8.6"] * 50} for i in range(200)},
-        record.Plan("k", [{"drvPath": "/nix/store/x-a.drv", "outputs": {"out": "/nix/store/x-a"}}]),
+    # another process can while this one reads: every read is one whole
+    # record, and both are seen many times (the race really ran).
+    import sys
+
+    state, stop = tmp_path / "state", tmp_path / "stop"
+    state.mkdir()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(state), str(stop)],
+        env={**os.environ, "PYTHONPATH": str(Path(record.__file__).resolve().parent.parent)},
     )
-    record.save(state, small)
-    stop = threading.Event()
-    seen: list[object] = []
-
-    def write() -> None:
-        while not stop.is_set():
-            record.save(state, large)
-            record.save(state, small)
-
-    writer = threading.Thread(target=write)
-    writer.start()
+    seen: dict[str, int] = {}
+    torn: list[object] = []
     try:
-        for _ in range(2000):
-            seen.append(record.load(state))
+        deadline = time.monotonic() + 30
+        while not (state / record.NAME).exists():
+            assert time.monotonic() < deadline and writer.poll() is None, "the writer never wrote a record"
+            time.sleep(0.01)
+        while min(seen.get("a" * 64, 0), seen.get("b" * 64, 0)) < 50 and time.monotonic() < deadline:
+            got = record.load(str(state))
+            if got is None:
+                if (state / record.NAME).exists():
+                    torn.append(got)
+                continue
+            whole = got.variants == {"cpu": {"label": "cpu"}} or len(got.variants) == 200
+            if not whole:
+                torn.append(got)
+            seen[got.flake_key] = seen.get(got.flake_key, 0) + 1
     finally:
-        stop.set()
-        writer.join()
-    assert all(r in (small, large) for r in seen), [r for r in seen if r not in (small, large)][:1]
-    assert small in seen and large in seen
+        stop.touch()
+        writer.wait(timeout=30)
+    assert not torn, torn[:1]
+    assert min(seen.values()) >= 50 and len(seen) == 2, seen
     assert not [n for n in os.listdir(state) if n.endswith(".tmp")]
 
 
