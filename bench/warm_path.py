@@ -33,7 +33,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-NIX_CONFIG = "experimental-features = nix-command flakes\nsubstituters =\n"
+# The tests' offline configuration, which also lends the test flake's host
+# tools to Nix's build sandbox where it is on (Debian 13).
+sys.path.insert(0, str(REPO / "tests"))
+from nix_fixtures import NIX_CONFIG  # noqa: E402 - found through the path set just above
 
 
 def flat_flake(dest: Path) -> str:
