@@ -430,7 +430,7 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
     """Step 5, second half: one `nix build` of libtorch, the training binary
     and the fetched tree (pinned by store path and NAR hash, the recipe
     passed as a flake input), with GC roots under the state directory."""
-    installables = [f"{session.fdl}.libtorch.{variant.label}"]
+    installables = [f"{session.fdl}.libtorch.{variants_mod.nix_attr(variant.label)}"]
     overrides: dict[str, str] = {}
     if source is not None:
         recipe_dir = outputs.write_recipe(session.state, source.recipe.flake_input(variant.label, CONTRACT))
