@@ -200,6 +200,23 @@ class AmdGpus:
         }
 
 
+def labels(devices: Sequence[AmdDevice]) -> str:
+    """Cards for a message, those alike together: "AMD GPU 0, 1, 2
+    (AMD Instinct MI300X OAM)" rather than the name eight times."""
+    groups: dict[str, list[AmdDevice]] = {}
+    for d in devices:
+        groups.setdefault(d.name or d.gfx or "target unknown", []).append(d)
+    parts = []
+    for what, alike in groups.items():
+        numbered = [str(d.index) for d in alike if d.index is not None]
+        nodes = [str(d.node) for d in alike if d.index is None]
+        if numbered:
+            parts.append(f"AMD GPU {', '.join(numbered)} ({what})")
+        if nodes:
+            parts.append(f"AMD KFD node {', '.join(nodes)} ({what})")
+    return ", ".join(parts)
+
+
 def gfx_name(version: int) -> str | None:
     """gfx_target_version as LLVM names the target: 90402 -> gfx942,
     90010 -> gfx90a, 110000 -> gfx1100. 0 (a CPU node) has none."""
@@ -306,10 +323,10 @@ def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
         masks = " then ".join(
             f"{name}={raw!r}" for name, raw in ((ROCR, rocr_raw), (hip_from, hip_raw)) if name and raw is not None
         )
-        notes.append(f"{masks} hides " + ", ".join(d.label() for d in hidden) + ".")
-    if blocked is not None:
-        notes.append(f"AMD: no AMD GPU is usable: {blocked}.")
-    else:
+        notes.append(f"{masks} hides {labels(hidden)}.")
+    # A blocked runtime is the gate's failure, or its note where other
+    # cards pass (prepare.gate.check); here it would only say it twice.
+    if blocked is None:
         for d in devices:
             if not d.usable and d.index is not None:
                 notes.append(f"{d.label()} is unusable and will not be offered: {d.error}.")
@@ -383,8 +400,7 @@ def _open_devices(
             # libhsakmt drops the node and numbers the GPUs after it down.
             devices.append(replace(device, usable=False, error=_render_missing(render, minor, err)))
             notes.append(
-                f"AMD: {device.label()} on KFD node {node} is not seen by the ROCm runtime: "
-                f"{_render_missing(render, minor, err)}."
+                f"AMD: {device.label()} is not seen by the ROCm runtime: {_render_missing(render, minor, err)}."
             )
             continue
         device = replace(device, index=index)
@@ -421,14 +437,14 @@ def _try_open(path: str) -> OSError | None:
 
 def _blocked(path: str, err: OSError) -> str:
     """Why the ROCm runtime cannot start on this box, with the fix."""
-    user = _user()
+    user, login = _user()
     if err.errno == errno.EACCES:
         what = "/dev/kfd" if path == KFD else "a render node"
         return (
             f"this user ({user}) cannot open {path} ({_why(err)}{_owner(path)}): the ROCm runtime needs "
             f"read-write access to /dev/kfd and to every GPU's render node /dev/dri/renderD*, and with {what} "
             "refused no AMD GPU is usable. `ls -l /dev/kfd /dev/dri/renderD*` shows the owning group, usually "
-            f"render (Debian 11+, Ubuntu 20.04+) or video: `sudo usermod -aG render,video {user}`, then log in "
+            f"render (Debian 11+, Ubuntu 20.04+) or video: `sudo usermod -aG render,video {login}`, then log in "
             "again (a systemd unit: SupplementaryGroups=render video); in a container pass the devices and "
             f"groups in (--device=/dev/kfd --device=/dev/dri --group-add render --group-add video), {_CPU_ONLY}"
         )
@@ -511,14 +527,16 @@ def _owner(path: str) -> str:
     return f"; {stat.filemode(st.st_mode)} {owner}:{group}"
 
 
-def _user() -> str:
+def _user() -> tuple[str, str]:
+    """This user for a message, and for a command line."""
     import pwd
 
     uid = os.geteuid()
     try:
-        return pwd.getpwuid(uid).pw_name
+        name = pwd.getpwuid(uid).pw_name
     except KeyError:
-        return f"uid {uid}"
+        return f"uid {uid}", "<the worker's user>"
+    return f"{name}, uid {uid}", name
 
 
 def parse_rocr_visible_devices(
@@ -619,7 +637,7 @@ def parse_hip_visible_devices(
             why = (
                 "no AMD GPU's UUID contains it"
                 if "GPU-" in entry
-                else f"there is no AMD GPU {text} here ({len(devices)} visible)"
+                else f"HIP numbers the {len(devices)} AMD GPU(s) {ROCR} leaves from 0"
                 if text.isdigit() and not text.startswith("0")
                 else "not a plain decimal index or a GPU- UUID"
             )

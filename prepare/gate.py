@@ -447,11 +447,13 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             if amd is None
             else "CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES"
         )
+        from prepare.amd import labels
+
         raise permanent(
             "GPU gate: every usable GPU is masked: "
             + (" then ".join(masks) or "the masks")
             + " leave none of "
-            + ", ".join([d.label() for d in usable] + [d.label() for d in usable_amd])
+            + ", ".join([d.label() for d in usable] + ([labels(usable_amd)] if usable_amd else []))
             + f". Fix {variables} in the worker's environment (unset "
             + ("it" if amd is None else "them")
             + " to see every card) or devices in [join] (--devices); `fdl-prepare gpus` lists the cards and what "
@@ -459,9 +461,11 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         )
     if amd is not None:
         # The same image serves either vendor: say which cards this box offers.
-        line = _offered_note(gpus)
-        notes.append(line)
-        gpus = replace(gpus, notes=gpus.notes + (line,))
+        lines = [_offered_note(gpus)]
+        if amd.blocked is not None and amd_devices:
+            lines.insert(0, f"AMD: no AMD GPU is usable: {amd.blocked}.")
+        notes.extend(lines)
+        gpus = replace(gpus, notes=gpus.notes + tuple(lines))
     return gpus
 
 
@@ -541,6 +545,8 @@ def _amd_table(amd: AmdGpus) -> str:
     )
     if not amd.devices:
         return f"{head}\nno AMD GPU with compute units"
+    if amd.blocked is not None:
+        head += f"\nno AMD GPU is usable: {amd.blocked}"
     offered = set(amd.offered_indices)
     # IDX is ROCm's number (devices, ROCR_VISIBLE_DEVICES); RUN is the
     # device number the run sees after the masks.

@@ -441,7 +441,11 @@ def _refuse_other_vendor(variant: Variant, gpus: Gpus | None, variants: Mapping[
         cards = ", ".join(f"GPU {d.index} ({d.name})" for d in _offered(gpus))
         have, want = "NVIDIA", "CUDA"
     else:
-        cards = ", ".join(_amd_text(d) for d in _amd_offered(gpus))
+        from prepare.amd import labels
+
+        offered = _amd_offered(gpus)
+        targets = ", ".join(dict.fromkeys(d.target or "target unknown" for d in offered))
+        cards = f"{labels(offered)}; {targets}"
         have, want = "AMD", "ROCm"
     own = [v.label for v in (variants or {}).values() if v.vendor == (AMD if have == "AMD" else NVIDIA)]
     pick = (
