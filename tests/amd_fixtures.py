@@ -413,6 +413,10 @@ def _enter(root: Path) -> int:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1")):
         os.symlink(target, stage / name)
     os.symlink("/proc/self/fd/2", stage / "stderr")
+    # A bound /dev/ptmx finds no devpts beside it; the link does (root only:
+    # pts/ptmx is mode 000), for the ptys the `sh` package opens.
+    if os.path.isdir("/dev/pts"):
+        os.symlink("pts/ptmx", stage / "ptmx")
     for device in spec["devices"]:
         path = stage / str(device["path"])
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -299,6 +299,64 @@ def test_a_gpu_whose_render_node_is_missing_is_dropped_and_the_rest_renumbered(a
     assert got["offered"] == list(range(7))
 
 
+# -- the whole pipeline, with real Nix and the test flake ----------------------------
+
+
+def prepare_code(flake: str, state: str, source: str, libtorch: str) -> str:
+    return (
+        "import json\n"
+        "from prepare.fail import Fail\n"
+        "from prepare.pipeline import prepare\n"
+        "from prepare.spec import PrepareSpec, SourceSpec\n"
+        "events, notes = [], []\n"
+        f"spec = PrepareSpec(source=SourceSpec(from_={source!r}), libtorch={libtorch!r}, flake={flake!r}, "
+        f"state_dir={state!r})\n"
+        "try:\n"
+        "    done = prepare(spec, notes, progress=events.append)\n"
+        "    out = {'done': done.to_json()}\n"
+        "except Fail as f:\n"
+        "    out = {'kind': f.kind, 'message': f.message}\n"
+        "print(json.dumps({**out, 'events': events, 'notes': notes}, default=str))\n"
+    )
+
+
+@pytest.mark.nix
+def test_a_rocm_variant_lacking_a_cards_target_fails_before_any_fetch(
+    amd_box, no_nvml, nix_env, make_flake, state_dir, git_source
+):
+    from nix_fixtures import trainer
+
+    flake = make_flake(
+        extra_nix='toolchain: { rocm-instinct = { vendor = "amd"; rocm = "7.0"; cuda = null; archs = [ ]; '
+        'gfx = [ "gfx90a" "gfx942" ]; package = toolchain.mkLibtorch { label = "rocm-instinct"; }; }; }'
+    )
+    src = git_source(trainer())
+    out = run_json(amd_box(rx7900xtx()), prepare_code(flake, state_dir, src.url, "rocm-instinct"), clean_env(nix_env))
+    assert out["kind"] == "permanent"
+    message = out["message"]
+    assert "libtorch rocm-instinct ships no kernel for AMD GPU 0 (name unknown, gfx1100)" in message
+    assert "gfx90a, gfx942" in message and "--libtorch rocm6.4" in message
+    # Nothing fetched, nothing built: the only step reached is the evaluation.
+    events = out["events"]
+    assert [e["name"] for e in events if e["type"] == "step"] == ["evaluate"]
+    assert not any(e["type"].startswith(("download", "build", "substitute")) for e in events)
+
+
+@pytest.mark.nix
+def test_auto_builds_the_rocm_libtorch_for_an_mi300x_box(amd_box, no_nvml, nix_env, test_flake, state_dir, git_source):
+    from nix_fixtures import trainer
+
+    src = git_source(trainer())
+    out = run_json(amd_box(mi300x()), prepare_code(test_flake, state_dir, src.url, "auto"), clean_env(nix_env))
+    assert "done" in out, out.get("message")
+    done = out["done"]
+    assert done["libtorch"]["variant"] == "rocm7.0"
+    assert done["devices"] == list(range(8)) and done["gpu_vendor"] == "amd"
+    assert any("picked rocm7.0" in n for n in out["notes"])
+    with open(f"{done['libtorch']['path']}/share/fdl-libtorch-variant") as fh:
+        assert fh.read().strip() == "rocm7.0"
+
+
 # -- fdl-prepare gpus ---------------------------------------------------------------
 
 GPUS_CLI = "import sys\nfrom prepare.cli import main\nsys.argv = ['fdl-prepare', 'gpus'{extra}]\nmain()\n"
