@@ -312,10 +312,9 @@ def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
     chosen, hip_notes = parse_hip_visible_devices(hip_raw, hip_from or HIP, after_rocr)
     notes.extend(hip_notes)
 
+    # HIP's positions are into what ROCR_VISIBLE_DEVICES left.
     rocr_order = tuple(range(len(runtime))) if rocr_visible is None else rocr_visible
-    visible = (
-        tuple(rocr_order[i] for i in chosen) if chosen is not None else None if rocr_visible is None else rocr_visible
-    )
+    visible = rocr_visible if chosen is None else tuple(rocr_order[i] for i in chosen)
     offered = tuple(runtime[i] for i in (visible if visible is not None else rocr_order) if runtime[i].usable)
 
     hidden = [d for d in runtime if visible is not None and d.index not in visible]
