@@ -49,8 +49,9 @@ API (root only; the fixture skips elsewhere):
 
 `amd_box` (function) -> `(nodes, **kw) -> AmdBox`, written under tmp_path.
 Keywords: kfd_mode / render_mode (default 0o660), render_modes
-({minor: mode}), no_kfd, no_render (minors whose /dev node is missing),
-drm_only (minors published in /sys/class/drm without a /dev node).
+({minor: mode}), no_kfd, no_render (minors whose /dev node is missing, still
+published in /sys/class/drm), extra_render (render minors no topology node
+links, as a display-only GPU has).
     .run(code, env=None, uid=None) -> CompletedProcess: `python -c code`
         in a private mount namespace holding this box, as root or as `uid`
         (no groups, the readable package copy of tests/other_user.py).
@@ -67,7 +68,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -366,12 +367,6 @@ def amd_box(tmp_path: Path) -> Callable[..., AmdBox]:
         return AmdBox(root, other_user.python_for, other_user.readable_package_root, devices)
 
     return make
-
-
-def with_nodes(nodes: Sequence[KfdNode], index: int, **changes: object) -> list[KfdNode]:
-    out = list(nodes)
-    out[index] = replace(out[index], **changes)  # type: ignore[arg-type]
-    return out
 
 
 # -- the child, in its private mount namespace -------------------------------------
