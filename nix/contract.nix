@@ -16,8 +16,10 @@
   source,
   # a directory holding recipe.json (flake = false input)
   recipe,
-  # toolchain -> { <label> = { cuda; archs; package; }; }: how a downstream
-  # flake adds (or replaces) variants without editing this repository.
+  # toolchain -> { <label> = { cuda; archs; package; }; } (a ROCm build:
+  # { vendor = "amd"; rocm; gfx; cuda = null; archs = [ ]; package; }): how a
+  # downstream flake adds (or replaces) variants without editing this
+  # repository.
   extraVariants ? (_toolchain: { }),
 }:
 let
@@ -25,6 +27,7 @@ let
     all
     attrNames
     concatStringsSep
+    elem
     fromJSON
     hasAttr
     isAttrs
@@ -49,9 +52,17 @@ let
   labels = concatStringsSep ", " (attrNames declared);
 
   # Labels travel on command lines and into attribute paths; archs are
-  # compared numerically by the runner ("8.6", "9.0+PTX").
+  # compared numerically by the runner ("8.6", "9.0+PTX"); gfx targets by
+  # name, optionally with target features ("gfx90a:xnack-"). Generic targets
+  # (gfx11-generic) are refused: the runner would have to know which cards
+  # each covers.
   labelOk = label: match "[A-Za-z0-9][A-Za-z0-9_.-]*" label != null;
   archOk = a: isString a && match "[0-9]+\\.[0-9]+(\\+PTX)?" a != null;
+  gfxOk = g: isString g && match "gfx[0-9a-f]+(:[a-z-]+[+-])*" g != null;
+
+  # A flake from before vendors existed declares none: a CUDA version then
+  # means NVIDIA, and no version a CPU build.
+  vendorOf = v: v.vendor or (if (v.cuda or null) != null then "nvidia" else null);
 
   checkVariant =
     label: v:
@@ -60,14 +71,42 @@ let
     else if !(isAttrs v) then
       fail "variant ${quote label} must be an attrset { cuda; archs; package; }, got a ${typeOf v}"
     else if !(v ? cuda) || !(v.cuda == null || isString v.cuda) then
-      fail "variant ${quote label}: `cuda` must be a version string like \"12.8\" or null for a CPU build"
+      fail "variant ${quote label}: `cuda` must be a version string like \"12.8\" or null for a CPU or ROCm build"
     else if !(v ? archs) || !(isList v.archs) || !(all archOk v.archs) then
       fail "variant ${quote label}: `archs` must be a list of compute capabilities like \"8.6\" or \"9.0+PTX\""
+    else if !(elem (vendorOf v) [ "nvidia" "amd" null ]) then
+      fail "variant ${quote label}: `vendor` must be \"nvidia\", \"amd\" or null (a CPU build), got ${quote v.vendor}"
+    else if vendorOf v == null && v.cuda != null then
+      fail "variant ${quote label}: vendor null is a CPU build, which has `cuda = null`; a CUDA build is vendor \"nvidia\""
+    else if vendorOf v == "nvidia" && v.cuda == null then
+      fail "variant ${quote label}: vendor \"nvidia\" needs `cuda`, the CUDA version it is built for"
+    else if vendorOf v == "amd" && (v.cuda != null || v.archs != [ ]) then
+      fail "variant ${quote label}: a ROCm build (vendor \"amd\") has `cuda = null` and `archs = [ ]`; its targets go in `gfx`"
+    else if vendorOf v == "amd" && !((v ? rocm) && isString v.rocm) then
+      fail "variant ${quote label}: a ROCm build (vendor \"amd\") needs `rocm`, the ROCm version it is built for, like \"7.0\""
+    else if
+      vendorOf v == "amd" && !((v ? gfx) && isList v.gfx && v.gfx != [ ] && all gfxOk v.gfx)
+    then
+      fail "variant ${quote label}: a ROCm build (vendor \"amd\") needs `gfx`, the targets it ships kernels for, like [ \"gfx942\" \"gfx1100\" ] (no generic targets)"
+    else if vendorOf v != "amd" && (v.gfx or [ ]) != [ ] then
+      fail "variant ${quote label}: `gfx` is for ROCm builds; set vendor = \"amd\" or drop it"
     else
       {
         inherit label;
         inherit (v) cuda archs;
-      };
+      }
+      # Only a variant that declares its vendor says so: the metadata of
+      # every variant from before vendors existed reads as it always did.
+      // (
+        if v ? vendor then
+          {
+            inherit (v) vendor;
+            gfx = v.gfx or [ ];
+            rocm = v.rocm or null;
+          }
+        else
+          { }
+      );
 
   variants = mapAttrs checkVariant declared;
 

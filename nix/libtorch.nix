@@ -29,4 +29,10 @@
     archs = [ "7.5" "8.0" "8.6" "9.0" "10.0" "12.0" ];
     package = libtorch-bin.override { cudaSupport = true; };
   };
+
+  # No ROCm variant here: PyTorch publishes its libtorch ROCm archives
+  # without checksums, and a fixed-output derivation needs a hash taken from
+  # a source one can cite, not one computed from a download nobody vouches
+  # for. A fleet with AMD GPUs adds one as nix/CONTRACT.md ("Adding a
+  # variant") shows, with vendor = "amd", rocm and gfx.
 }

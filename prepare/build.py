@@ -473,7 +473,7 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
         )
         return _built(session, variant, source, known.plan.results, Log())
 
-    installables = [f"{session.fdl}.libtorch.{variant.label}"]
+    installables = [f"{session.fdl}.libtorch.{variants_mod.nix_attr(variant.label)}"]
     overrides: dict[str, str] = {}
     if source is not None and flake_input is not None:
         recipe_dir = outputs.write_recipe(session.state, flake_input)

@@ -213,7 +213,9 @@ def _summary(done: Any, seconds: float) -> None:
 def gpus(
     as_json: bool = typer.Option(False, "--json", help="Print the survey as JSON on stdout."),
 ) -> None:
-    """Survey the GPUs through NVML (after CUDA_VISIBLE_DEVICES) and print them."""
+    """Survey the GPUs and print them: NVIDIA through NVML (after CUDA_VISIBLE_DEVICES), AMD from the
+    amdgpu driver's KFD topology (after ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES), each numbered
+    as its runtime numbers it."""
     from prepare import gate
 
     try:

@@ -32,6 +32,15 @@ Masks, in order:
 2. `devices` (`--devices`): the NVML indices, as `nvidia-smi` and
    `fdl-prepare gpus` number them, that this box offers to the run.
 
+AMD: the same image serves NVIDIA and AMD boxes, so the gate also surveys
+the AMD GPUs the amdgpu driver publishes (prepare.amd, its masks
+ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES, and its permission checks on
+/dev/kfd and the render nodes). Any usable device of either vendor passes.
+On a box with AMD GPUs, NVML missing or unable to reach an NVIDIA kernel
+module is a note, not a failure; with no AMD GPU either, the NVIDIA messages
+are what they always were. `devices` takes each vendor's own indices (NVML's
+for NVIDIA, ROCm's for AMD), as each vendor's runtime numbers its cards.
+
 MIG: a `MIG-<uuid>` entry is looked up among the MIG instances NVML lists
 under each card in MIG mode, and maps to its parent card: the gate's unit is
 the physical card (its compute capability decides the libtorch variant), so
@@ -51,7 +60,11 @@ from typing import TYPE_CHECKING, Any
 from prepare.fail import Fail, permanent, transient
 
 if TYPE_CHECKING:
+    from prepare.amd import AmdDevice, AmdGpus
     from prepare.spec import PrepareSpec
+
+NVIDIA = "nvidia"
+AMD = "amd"
 
 
 @dataclass(frozen=True)
@@ -99,10 +112,36 @@ class Gpus:
     # `devices` as applied by `check` (None: not applied, or not set).
     devices_mask: tuple[int, ...] | None = None
     notes: tuple[str, ...] = ()
+    # The AMD GPUs (prepare.amd); None where the amdgpu driver publishes no
+    # KFD topology.
+    amd: AmdGpus | None = None
+    # What NVML said when it could not be used on a box of AMD GPUs.
+    nvidia_error: str | None = None
 
     @property
     def offered_indices(self) -> tuple[int, ...]:
         return tuple(d.index for d in self.offered)
+
+    @property
+    def amd_offered(self) -> tuple[AmdDevice, ...]:
+        return () if self.amd is None else self.amd.offered
+
+    @property
+    def vendors_offered(self) -> tuple[str, ...]:
+        return tuple(v for v, cards in ((NVIDIA, self.offered), (AMD, self.amd_offered)) if cards)
+
+    @property
+    def primary_vendor(self) -> str | None:
+        """The vendor whose cards a run uses when nothing else decides: the
+        only one offered, else the one with more cards (NVIDIA on a tie)."""
+        if not self.vendors_offered:
+            return None
+        return AMD if len(self.amd_offered) > len(self.offered) else NVIDIA
+
+    def offered_indices_for(self, vendor: str | None) -> tuple[int, ...]:
+        if vendor == AMD:
+            return () if self.amd is None else self.amd.offered_indices
+        return self.offered_indices
 
     def masked_by(self, index: int) -> str | None:
         """Which mask hides a device: "CUDA_VISIBLE_DEVICES", "devices", or None."""
@@ -125,6 +164,8 @@ class Gpus:
                 for d in self.devices
             ],
             "offered": list(self.offered_indices),
+            "nvidia_error": self.nvidia_error,
+            "amd": None if self.amd is None else self.amd.to_json(),
             "notes": list(self.notes),
         }
 
@@ -145,10 +186,23 @@ _NOT_READY = 27
 _CPU_ONLY = "or, for a CPU-only worker, pass --cpu-only (cpu_only = true under [join])"
 
 
-def _nvml_fail(err: Exception, during: str) -> Fail:
-    """An NVML error that stops the whole gate, as a Fail naming the fix."""
+class NvmlUnusable(Fail):
+    """NVML cannot be used at all; `said` is its own answer, short enough
+    for a note on a box whose GPUs are AMD's."""
+
+    def __init__(self, fail: Fail, said: str) -> None:
+        super().__init__(fail.message, permanent=fail.permanent)
+        self.said = said
+
+
+def _nvml_fail(err: Exception, during: str) -> NvmlUnusable:
     code = getattr(err, "value", None)
     said = f"NVML said {str(err)!r} (error {code}) {during}"
+    return NvmlUnusable(_nvml_fail_message(said, code), said)
+
+
+def _nvml_fail_message(said: str, code: int | None) -> Fail:
+    """An NVML error that stops the whole gate, as a Fail naming the fix."""
     if code == _LIBRARY_NOT_FOUND:
         return permanent(
             "GPU gate: no NVIDIA driver is installed: the NVML library libnvidia-ml.so.1 was not found "
@@ -203,15 +257,38 @@ def _device_hint(code: int | None, index: int) -> str:
 
 
 def survey(env: Mapping[str, str] | None = None) -> Gpus:
-    """Ask NVML about every device, then apply CUDA_VISIBLE_DEVICES from `env`
-    (default: this process's environment). Raises a Fail when NVML itself
-    cannot be used; a device whose queries fail is only marked unusable."""
+    """Ask NVML about every NVIDIA device and the amdgpu driver about every
+    AMD one, then apply each vendor's masks from `env` (default: this
+    process's environment). Raises a Fail when NVML itself cannot be used
+    and the box has no AMD GPU; a device whose queries fail is only marked
+    unusable."""
     env = os.environ if env is None else env
+    from prepare import amd as amd_mod
+
+    amd = amd_mod.survey(env)
+    try:
+        gpus = _survey_nvidia(env)
+    except NvmlUnusable as fail:
+        # One image serves NVIDIA and AMD boxes: on an AMD box the NVML
+        # library is missing, or installed with no NVIDIA kernel module to
+        # talk to. Not ready yet is another matter: the next attempt may
+        # find NVIDIA cards, and auto would pick another libtorch.
+        if not fail.permanent or amd is None or not amd.devices:
+            raise
+        note = f"NVIDIA: no usable NVML on this box of AMD GPUs ({fail.said}): only the AMD GPUs are surveyed."
+        gpus = Gpus(None, None, devices=(), offered=(), nvidia_error=fail.said, notes=(note,))
+    if amd is None:
+        return gpus
+    return replace(gpus, amd=amd, notes=gpus.notes + amd.notes)
+
+
+def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
     try:
         import pynvml
-    except ImportError:  # pragma: no cover - a declared dependency
-        raise permanent(
-            f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {_CPU_ONLY}."
+    except ImportError:  # a declared dependency, but a box of AMD GPUs does without it
+        raise NvmlUnusable(
+            permanent(f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {_CPU_ONLY}."),
+            "the Python module pynvml is missing",
         ) from None
 
     try:
@@ -292,7 +369,9 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
     gpus = survey()
     notes.extend(gpus.notes)
     devices = gpus.devices
-    if not devices:
+    amd = gpus.amd
+    amd_devices = () if amd is None else amd.devices
+    if not devices and not amd_devices:
         raise permanent(
             f"GPU gate: NVML reports no NVIDIA device (driver {gpus.driver_version or 'version unknown'} is "
             "loaded). `nvidia-smi -L` and `lspci | grep -i nvidia` show what the machine has; a container "
@@ -301,50 +380,143 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
 
     if spec.devices is not None:
         wanted = tuple(dict.fromkeys(spec.devices))
-        absent = [i for i in wanted if not 0 <= i < len(devices)]
-        if absent:
+        amd_count = 0 if amd is None else amd.runtime_count
+        absent = [i for i in wanted if not (0 <= i < len(devices) or 0 <= i < amd_count)]
+        if absent and amd is None:
             raise permanent(
                 f"GPU gate: devices = {list(spec.devices)} (--devices) names "
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {len(devices)} device(s), indices 0-{len(devices) - 1}. Change devices in [join] "
                 "(or --devices) to indices that exist; `fdl-prepare gpus` lists them."
             )
+        if absent:
+            have = [
+                f"{count} {vendor} GPU(s), indices 0-{count - 1}"
+                for vendor, count in (("NVIDIA", len(devices)), ("AMD", amd_count))
+                if count
+            ]
+            raise permanent(
+                f"GPU gate: devices = {list(spec.devices)} (--devices) names "
+                + ", ".join(f"GPU {i}" for i in absent)
+                + f", but this box has {' and '.join(have) or 'no GPU the runtimes can see'} (each vendor numbers "
+                "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
+                "exist; `fdl-prepare gpus` lists them."
+            )
         kept = tuple(d for d in gpus.offered if d.index in wanted)
         gpus = replace(gpus, offered=kept, devices_mask=wanted)
-        dropped = [d for d in devices if d.usable and gpus.masked_by(d.index) == "devices"]
+        dropped: list[str] = [d.label() for d in devices if d.usable and gpus.masked_by(d.index) == "devices"]
+        if amd is not None:
+            amd = amd.with_devices(wanted)
+            gpus = replace(gpus, amd=amd)
+            dropped += [d.label() for d in amd.devices if d.usable and amd.masked_by(d.index) == "devices"]
         if dropped:
-            line = f"devices = {list(wanted)} (--devices) leaves out " + ", ".join(d.label() for d in dropped) + "."
+            line = f"devices = {list(wanted)} (--devices) leaves out " + ", ".join(dropped) + "."
             notes.append(line)
             gpus = replace(gpus, notes=gpus.notes + (line,))
 
     usable = [d for d in devices if d.usable]
-    if not usable:
-        raise permanent(
-            "GPU gate: no usable GPU: every device failed its queries: "
+    usable_amd = [d for d in amd_devices if d.usable]
+    if not usable and not usable_amd:
+        nvidia_why = (
+            "every device failed its queries: "
             + "; ".join(f"{d.label()}: {d.error}" for d in devices)
             + f". `nvidia-smi -q` shows the driver's view, `sudo dmesg | grep -i xid` shows GPU faults; "
             f"a lost GPU needs a reset (`sudo nvidia-smi -r`) or a reboot, {_CPU_ONLY}."
         )
-    if not gpus.offered:
+        if amd is None or not amd_devices:
+            raise permanent("GPU gate: no usable GPU: " + nvidia_why)
+        message = "GPU gate: no usable GPU: " + _no_usable_amd(amd) + "."
+        if devices:
+            message += " NVIDIA: " + nvidia_why
+        elif gpus.nvidia_error is not None:
+            message += f" No NVIDIA GPU either ({gpus.nvidia_error})."
+        raise permanent(message)
+    if not gpus.offered and not gpus.amd_offered:
         masks = []
-        if gpus.cuda_visible_devices is not None:
+        if gpus.cuda_visible_devices is not None and (devices or amd is None):
             masks.append(f"CUDA_VISIBLE_DEVICES={gpus.cuda_visible_devices!r}")
+        if amd is not None:
+            if amd.rocr_visible_devices is not None:
+                masks.append(f"ROCR_VISIBLE_DEVICES={amd.rocr_visible_devices!r}")
+            if amd.hip_from is not None and f"{amd.hip_from}={amd.hip_visible_devices!r}" not in masks:
+                masks.append(f"{amd.hip_from}={amd.hip_visible_devices!r}")
         if gpus.devices_mask is not None:
             masks.append(f"devices = {list(gpus.devices_mask)} (--devices)")
+        variables = (
+            "CUDA_VISIBLE_DEVICES"
+            if amd is None
+            else "CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES or HIP_VISIBLE_DEVICES"
+        )
+        from prepare.amd import labels
+
         raise permanent(
             "GPU gate: every usable GPU is masked: "
             + (" then ".join(masks) or "the masks")
             + " leave none of "
-            + ", ".join(d.label() for d in usable)
-            + ". Fix CUDA_VISIBLE_DEVICES in the worker's environment (unset it to see every card) "
-            "or devices in [join] (--devices); `fdl-prepare gpus` lists the cards and what masks them."
+            + ", ".join([d.label() for d in usable] + ([labels(usable_amd)] if usable_amd else []))
+            + f". Fix {variables} in the worker's environment (unset "
+            + ("it" if amd is None else "them")
+            + " to see every card) or devices in [join] (--devices); `fdl-prepare gpus` lists the cards and what "
+            "masks them."
         )
+    if amd is not None:
+        # The same image serves either vendor: say which cards this box offers.
+        lines = [_offered_note(gpus)]
+        if amd.blocked is not None and amd_devices:
+            lines.insert(0, f"AMD: no AMD GPU is usable: {amd.blocked}.")
+        notes.extend(lines)
+        gpus = replace(gpus, notes=gpus.notes + tuple(lines))
     return gpus
+
+
+def _no_usable_amd(amd: AmdGpus) -> str:
+    if amd.blocked is not None:
+        return amd.blocked
+    return (
+        "every AMD GPU is unusable: "
+        + "; ".join(f"{d.label()}: {d.error}" for d in amd.devices)
+        + f". `ls -l /dev/kfd /dev/dri` and `sudo dmesg | grep -i amdgpu` show what is wrong, {_CPU_ONLY}"
+    )
+
+
+def _offered_note(gpus: Gpus) -> str:
+    parts = []
+    if gpus.offered:
+        parts.append("NVIDIA GPU " + ", ".join(str(i) for i in gpus.offered_indices))
+    if gpus.amd_offered:
+        targets = ", ".join(dict.fromkeys(d.target or "target unknown" for d in gpus.amd_offered))
+        parts.append("AMD GPU " + ", ".join(str(d.index) for d in gpus.amd_offered) + f" ({targets})")
+    line = "GPU gate: offering " + " and ".join(parts) + " to the run"
+    if len(parts) == 2:
+        return line + (
+            "; one libtorch build serves one vendor's cards, so the libtorch variant decides which the run uses."
+        )
+    if not gpus.offered:
+        return line + "; no NVIDIA GPU" + (f" ({gpus.nvidia_error})." if gpus.nvidia_error else " is offered.")
+    return line + "; no AMD GPU is offered."
 
 
 def format_table(gpus: Gpus) -> str:
     """The survey as aligned plain text: one row per device, its status
-    saying whether it is offered, masked (and by what) or unusable (and why)."""
+    saying whether it is offered, masked (and by what) or unusable (and why).
+    A box with AMD GPUs gets a second table, numbered as ROCm numbers them."""
+    if gpus.amd is None:
+        return _nvidia_table(gpus)
+    nvidia = f"NVIDIA: none ({gpus.nvidia_error})" if gpus.nvidia_error is not None else _nvidia_table(gpus)
+    return nvidia + "\n\n" + _amd_table(gpus.amd)
+
+
+def _aligned(head: str, rows: Sequence[tuple[str, ...]], last: str) -> str:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
+    lines = [head]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)] + [row[-1]]
+        lines.append("  ".join(cells).rstrip())
+    lines.append(last)
+    return "\n".join(lines)
+
+
+def _nvidia_table(gpus: Gpus) -> str:
     cuda = gpus.cuda_driver_version
     head = (
         f"NVIDIA driver {gpus.driver_version or 'unknown'}, "
@@ -361,15 +533,52 @@ def format_table(gpus: Gpus) -> str:
             status = "offered"
         else:
             status = f"masked by {gpus.masked_by(d.index) or 'the masks'}"
-        memory = "-" if d.memory_total is None else f"{d.memory_total / 2**30:.1f} GiB"
-        rows.append((str(d.index), d.name or "-", d.uuid or "-", d.capability_label or "-", memory, status))
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
-    lines = [head]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)] + [row[-1]]
-        lines.append("  ".join(cells).rstrip())
-    lines.append("offered: " + (", ".join(str(i) for i in gpus.offered_indices) or "none"))
-    return "\n".join(lines)
+        rows.append(
+            (str(d.index), d.name or "-", d.uuid or "-", d.capability_label or "-", _gib(d.memory_total), status)
+        )
+    return _aligned(head, rows, "offered: " + (", ".join(str(i) for i in gpus.offered_indices) or "none"))
+
+
+def _amd_table(amd: AmdGpus) -> str:
+    head = "AMD (amdgpu KFD topology)" + (
+        f", HSA_OVERRIDE_GFX_VERSION: kernels for {amd.gfx_override}" if amd.gfx_override else ""
+    )
+    if not amd.devices:
+        return f"{head}\nno AMD GPU with compute units"
+    if amd.blocked is not None:
+        head += f"\nno AMD GPU is usable: {amd.blocked}"
+    offered = set(amd.offered_indices)
+    # IDX is ROCm's number (devices, ROCR_VISIBLE_DEVICES); RUN is the
+    # device number the run sees after the masks.
+    rows = [("IDX", "RUN", "NAME", "GFX", "UUID", "PCI", "MEMORY", "STATUS")]
+    for d in amd.devices:
+        if not d.usable:
+            status = f"unusable: {d.error}"
+        elif d.index in offered:
+            status = "offered"
+        else:
+            status = f"masked by {amd.masked_by(d.index) or 'the masks'}"
+        run = amd.run_index(d.index) if d.index in offered else None
+        gfx = d.gfx or "-"
+        if d.target is not None and d.target != d.gfx:
+            gfx = f"{gfx}->{d.target}"
+        rows.append(
+            (
+                "-" if d.index is None else str(d.index),
+                "-" if run is None else str(run),
+                d.name or "-",
+                gfx,
+                d.uuid or "-",
+                d.pci or "-",
+                _gib(d.memory_total),
+                status,
+            )
+        )
+    return _aligned(head, rows, "offered (AMD): " + (", ".join(str(i) for i in amd.offered_indices) or "none"))
+
+
+def _gib(size: int | None) -> str:
+    return "-" if size is None else f"{size / 2**30:.1f} GiB"
 
 
 def parse_visible_devices(

@@ -56,6 +56,7 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
         dirs.check(notes)
 
     built = None
+    variant = None
     if spec.wants_build:
         from prepare import build
 
@@ -72,12 +73,18 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
             with _timed(timings, "build"):
                 built = build.build_outputs(session, variant, source)
 
+    # The cards the run uses are the chosen libtorch's vendor's (a CPU build
+    # leaves them idle but they stay offered, in the numbering auto favours).
+    vendor = None
+    if gpus is not None:
+        vendor = variant.vendor if variant is not None and variant.vendor is not None else gpus.primary_vendor
     return Prepared(
         data_path=data_path,
         libtorch=built.libtorch if built else None,
         bin=built.bin if built else None,
         args=built.args if built else None,
         run_id=built.run_id if built else None,
-        devices=gpus.offered_indices if gpus is not None else None,
+        devices=gpus.offered_indices_for(vendor) if gpus is not None else None,
+        gpu_vendor=vendor,
         timings=timings,
     )

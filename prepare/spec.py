@@ -132,6 +132,9 @@ class Prepared:
     run_id: str | None = None
     # Device indices offered to the run (after masks); None when the gate was skipped.
     devices: tuple[int, ...] | None = None
+    # Whose numbering `devices` is in: "nvidia" (NVML's, for CUDA_VISIBLE_DEVICES)
+    # or "amd" (ROCm's, for ROCR_VISIBLE_DEVICES); None when the gate was skipped.
+    gpu_vendor: str | None = None
     # Seconds spent in each step, in pipeline order. Not part of equality:
     # two attempts that prepared the same thing are the same Prepared.
     timings: dict[str, float] = field(default_factory=dict, compare=False)

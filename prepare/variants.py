@@ -11,24 +11,41 @@ Coverage follows how CUDA loads kernels: SASS compiled for `sm_XY` runs on any
 card of the same major version with a minor at or above Y, never across a
 major version; PTX (`X.Y+PTX`) is JIT-compiled by the driver for any card at or
 above X.Y.
+
+A ROCm variant (`vendor = "amd"`) lists gfx targets instead, and AMD code
+objects have no forward compatibility: a card is covered only by its own
+target (gfx1101 does not run gfx1100 kernels). Each variant is checked
+against its own vendor's offered cards only: the other vendor's cards sit
+idle under it (noted), and never block it. `auto` picks CUDA on a box that
+offers NVIDIA cards only, ROCm on one that offers AMD cards only, and on a
+box that offers both, the vendor with more cards (NVIDIA on a tie), saying
+why; a vendor no variant serves falls back to the other.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prepare.fail import permanent
+from prepare.fail import Fail, permanent
 
 if TYPE_CHECKING:
+    from prepare.amd import AmdDevice
     from prepare.gate import Device, Gpus
 
 CPU = "cpu"
 AUTO = "auto"
+NVIDIA = "nvidia"
+AMD = "amd"
+VENDORS = (NVIDIA, AMD)
 
 _ARCH = re.compile(r"^\s*(?:sm_)?(\d+)\.?(\d+)?\s*(\+\s*PTX)?\s*$", re.IGNORECASE)
+# A processor, optionally with target features ("gfx90a:xnack-"): the code
+# object is for the processor either way. Generic targets (gfx11-generic)
+# are not understood here, and the contract refuses them.
+_GFX = re.compile(r"^(gfx[0-9a-f]+)(?::[a-z-]+[+-])*$")
 
 
 @dataclass(frozen=True, order=True)
@@ -46,10 +63,45 @@ class Variant:
     label: str
     cuda: tuple[int, int] | None
     archs: tuple[Arch, ...]
+    # "nvidia", "amd", or None for a CPU build; a flake from before vendors
+    # existed says nothing, and a CUDA version then means NVIDIA.
+    vendor: str | None = None
+    gfx: tuple[str, ...] = ()
+    rocm: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.vendor is None and self.cuda is not None:
+            object.__setattr__(self, "vendor", NVIDIA)
 
     @property
     def archs_text(self) -> str:
         return ", ".join(str(a) for a in self.archs) if self.archs else "none (CPU only)"
+
+    @property
+    def gfx_text(self) -> str:
+        return ", ".join(self.gfx) if self.gfx else "none"
+
+    @property
+    def runtime(self) -> str:
+        """How the variant is named to an operator: "CUDA 12.8", "ROCm 7.0", "CPU"."""
+        if self.vendor == AMD:
+            return f"ROCm {_cap_text(self.rocm)}"
+        return "CPU" if self.cuda is None else f"CUDA {_cap_text(self.cuda)}"
+
+
+def nix_attr(label: str) -> str:
+    """A label as one attribute in an installable's path: `rocm7.0` unquoted
+    would be the attribute `0` of `rocm7`."""
+    return label if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_'-]*", label) else f'"{label}"'
+
+
+def parse_gfx(text: Any) -> str:
+    """A ROCm target as PyTorch's PYTORCH_ROCM_ARCH spells it ("gfx942",
+    "gfx90a:xnack-"), as the processor name the card reports."""
+    match = _GFX.match(str(text).strip().lower()) if isinstance(text, str) else None
+    if not match:
+        raise ValueError(f"not a ROCm gfx target: {text!r}")
+    return match.group(1)
 
 
 def parse_arch(text: str) -> Arch:
@@ -94,13 +146,22 @@ def parse_variants(raw: Any, flake: str) -> dict[str, Variant]:
             label = str(meta.get("label", key))
             cuda = parse_cuda_version(meta.get("cuda"))
             archs = tuple(parse_arch(a) for a in (meta.get("archs") or ()))
+            vendor = meta.get("vendor")
+            if vendor not in (*VENDORS, None):
+                raise ValueError(f'vendor {vendor!r} is not "nvidia", "amd" or null')
+            gfx = tuple(dict.fromkeys(parse_gfx(g) for g in (meta.get("gfx") or ())))
+            rocm = parse_cuda_version(meta.get("rocm"))
+            if vendor == AMD and not gfx:
+                raise ValueError('a ROCm variant (vendor = "amd") needs gfx targets (["gfx942", ...])')
+            if vendor == NVIDIA and cuda is None:
+                raise ValueError('vendor "nvidia" needs a cuda version')
         except ValueError as bad:
             raise permanent(
                 f"the flake {flake!r} has malformed metadata for libtorch variant {key!r}: {bad}; "
-                'each variant needs label, cuda ("12.8" or null) and archs (["8.6", "9.0+PTX", ...]) '
-                "as nix/CONTRACT.md describes: fix the flake"
+                'each variant needs label, cuda ("12.8" or null) and archs (["8.6", "9.0+PTX", ...]), and a ROCm '
+                'one vendor = "amd", rocm ("7.0") and gfx (["gfx942", ...]), as nix/CONTRACT.md describes: fix the flake'
             ) from None
-        out[str(key)] = Variant(label=label, cuda=cuda, archs=archs)
+        out[str(key)] = Variant(label=label, cuda=cuda, archs=archs, vendor=vendor, gfx=gfx, rocm=rocm)
     return out
 
 
@@ -118,10 +179,20 @@ def _offered(gpus: Gpus | None) -> tuple[Device, ...]:
     return () if gpus is None else gpus.offered
 
 
+def _amd_offered(gpus: Gpus | None) -> tuple[AmdDevice, ...]:
+    return () if gpus is None else gpus.amd_offered
+
+
 def _covered(archs: Iterable[Arch], device: Device) -> bool:
     """A card whose compute capability NVML did not report is not refused:
     nothing says the variant cannot serve it."""
     return device.capability is None or covers(archs, device.capability)
+
+
+def _gfx_covered(gfx: Iterable[str], device: AmdDevice) -> bool:
+    """Only the card's own target runs its kernels; a card whose target the
+    driver did not report is not refused."""
+    return device.target is None or device.target in gfx
 
 
 def _cap_text(cap: tuple[int, int] | None) -> str:
@@ -132,9 +203,18 @@ def _device_text(device: Device) -> str:
     return f"GPU {device.index} ({device.name}, compute capability {_cap_text(device.capability)})"
 
 
+def _amd_text(device: AmdDevice) -> str:
+    target = device.target or "target unknown"
+    if device.gfx is not None and device.target is not None and device.gfx != device.target:
+        target = f"{device.gfx}, run as {device.target} by HSA_OVERRIDE_GFX_VERSION"
+    return f"AMD GPU {device.index} ({device.name or 'name unknown'}, {target})"
+
+
 def _listing(variants: Mapping[str, Variant]) -> str:
     return ", ".join(
-        f"{label} (CUDA {'.'.join(map(str, v.cuda)) if v.cuda else 'none'}; archs {v.archs_text})"
+        f"{label} (ROCm {_cap_text(v.rocm)}; gfx {v.gfx_text})"
+        if v.vendor == AMD
+        else f"{label} (CUDA {'.'.join(map(str, v.cuda)) if v.cuda else 'none'}; archs {v.archs_text})"
         for label, v in sorted(variants.items())
     )
 
@@ -159,8 +239,8 @@ def choose(
             )
         wanted = CPU
     if wanted == AUTO:
-        variant = _auto(variants, gpus, flake)
-        notes.append(f"libtorch auto: picked {variant.label} ({_why_auto(variant, gpus)})")
+        variant, why = _auto(variants, gpus, flake)
+        notes.append(f"libtorch auto: picked {variant.label} ({why})")
     else:
         if wanted not in variants:
             raise permanent(
@@ -173,24 +253,64 @@ def choose(
     return variant
 
 
-def _why_auto(variant: Variant, gpus: Gpus | None) -> str:
-    if gpus is None or not gpus.offered:
-        return "no GPU offered"
+def _why_cuda(gpus: Gpus) -> str:
     caps = ", ".join(sorted({_cap_text(d.capability) for d in gpus.offered}))
     return f"compute capability {caps}, driver CUDA {_cap_text(gpus.cuda_driver_version)}"
 
 
-def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> Variant:
-    if gpus is None or not gpus.offered:
+def _why_rocm(gpus: Gpus) -> str:
+    targets = ", ".join(sorted({d.target or "unknown" for d in gpus.amd_offered}))
+    return f"AMD GPUs with gfx target {targets}: the newest ROCm variant with kernels for all of them"
+
+
+def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> tuple[Variant, str]:
+    nvidia, amd = _offered(gpus), _amd_offered(gpus)
+    if gpus is None or (not nvidia and not amd):
         if CPU not in variants:
             raise permanent(
                 f'libtorch = "auto" on a box with no GPU needs a {CPU!r} variant, and the flake {flake!r} has '
                 f"none (it has: {_listing(variants)}): set libtorch (--libtorch) to one of those or fix the flake"
             )
-        return variants[CPU]
+        return variants[CPU], "no GPU offered"
+    if not amd:
+        return _auto_cuda(variants, gpus, flake), _why_cuda(gpus)
+    if not nvidia:
+        return _auto_rocm(variants, gpus, flake), _why_rocm(gpus)
+    # One libtorch build serves one vendor's cards. More cards is more
+    # training; on a tie CUDA, the longer-proven path.
+    box = gpus
+    count = {NVIDIA: len(nvidia), AMD: len(amd)}
+    order = (AMD, NVIDIA) if count[AMD] > count[NVIDIA] else (NVIDIA, AMD)
+    name = {NVIDIA: "NVIDIA", AMD: "AMD"}
+
+    def pick(vendor: str) -> tuple[Variant, str]:
+        if vendor == NVIDIA:
+            return _auto_cuda(variants, box, flake), _why_cuda(box)
+        return _auto_rocm(variants, box, flake), _why_rocm(box)
+
+    mixed = (
+        f"this box offers {count[NVIDIA]} NVIDIA and {count[AMD]} AMD GPU(s) and one libtorch serves one vendor's cards"
+    )
+    first, second = order
+    try:
+        variant, why = pick(first)
+    except Fail as missed:
+        try:
+            variant, why = pick(second)
+        except Fail as also:
+            raise permanent(
+                f'libtorch = "auto" found no variant for either vendor on this box. {name[first]}: '
+                f"{missed.message}. {name[second]}: {also.message}"
+            ) from None
+        return variant, f"{why}; {mixed}, and no variant serves the {name[first]} ones"
+    reason = "more of them" if count[first] != count[second] else "as many, and NVIDIA wins a tie"
+    return variant, f"{why}; {mixed}: the {name[first]} ones, {reason}"
+
+
+def _auto_cuda(variants: Mapping[str, Variant], gpus: Gpus, flake: str) -> Variant:
     offered = gpus.offered
     driver = gpus.cuda_driver_version
-    candidates = [v for v in variants.values() if v.cuda is not None]
+    candidates = [v for v in variants.values() if v.cuda is not None and v.vendor != AMD]
     # A driver that reports no CUDA version runs none of them.
     runnable = [v for v in candidates if driver is not None and v.cuda is not None and v.cuda <= driver]
     fitting = [v for v in runnable if all(_covered(v.archs, d) for d in offered)]
@@ -213,12 +333,43 @@ def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> Var
     )
 
 
+def _auto_rocm(variants: Mapping[str, Variant], gpus: Gpus, flake: str) -> Variant:
+    offered = gpus.amd_offered
+    candidates = [v for v in variants.values() if v.vendor == AMD]
+    fitting = [v for v in candidates if all(_gfx_covered(v.gfx, d) for d in offered)]
+    if fitting:
+        # The newest ROCm among those that serve every card.
+        return max(fitting, key=lambda v: (v.rocm or (0, 0), v.label))
+    cards = "; ".join(_amd_text(d) for d in offered)
+    if not candidates:
+        reason = 'the flake has no ROCm variant (vendor = "amd")'
+    else:
+        reason = "no ROCm variant has kernels for every offered card"
+    raise permanent(
+        f'libtorch = "auto" found no variant for this box: {reason}. Offered: {cards}. '
+        f"Variants of the flake {flake!r}: {_listing(variants)}. Fix: offer only covered cards with devices "
+        "(--devices) or ROCR_VISIBLE_DEVICES, or add a ROCm variant built for these targets by overriding the "
+        'flake (nix/CONTRACT.md, "Adding a variant"), or, for a CPU-only worker, pass --cpu-only'
+    )
+
+
 def check_coverage(variant: Variant, gpus: Gpus | None, variants: Mapping[str, Variant] | None = None) -> None:
-    """Permanent Fail naming every offered card the variant ships no kernel for."""
-    offered = _offered(gpus)
+    """Permanent Fail naming every offered card of the variant's vendor that
+    it ships no kernel for, or, when the box offers only the other vendor's
+    cards, naming that."""
+    nvidia, amd = _offered(gpus), _amd_offered(gpus)
     # A CPU build runs anywhere; it just leaves the cards idle (noted by `choose`).
-    if not offered or variant.cuda is None:
+    if variant.vendor is None:
         return
+    own, other = (amd, nvidia) if variant.vendor == AMD else (nvidia, amd)
+    if not own:
+        if other:
+            _refuse_other_vendor(variant, gpus, variants)
+        return
+    if variant.vendor == AMD:
+        _check_gfx(variant, amd, variants or {})
+        return
+    offered = nvidia
     uncovered = [d for d in offered if not _covered(variant.archs, d)]
     if not uncovered:
         return
@@ -250,15 +401,90 @@ def check_coverage(variant: Variant, gpus: Gpus | None, variants: Mapping[str, V
     )
 
 
-def _note_driver(variant: Variant, gpus: Gpus | None, notes: list[str]) -> None:
-    if variant.cuda is None and _offered(gpus):
-        notes.append(
-            f"libtorch {variant.label} has no CUDA: the offered GPUs will sit idle; "
-            'set libtorch = "auto" (--libtorch auto) to use them'
+def _check_gfx(variant: Variant, offered: Sequence[AmdDevice], variants: Mapping[str, Variant]) -> None:
+    uncovered = [d for d in offered if not _gfx_covered(variant.gfx, d)]
+    if not uncovered:
+        return
+    covered = [d for d in offered if d not in uncovered]
+    cards = "; ".join(_amd_text(d) for d in uncovered)
+    fixes = []
+    if covered:
+        indices = [str(d.index) for d in covered]
+        fixes.append(
+            f"offer only covered cards with devices = [{', '.join(indices)}] (--devices {','.join(indices)}) "
+            f"or ROCR_VISIBLE_DEVICES={','.join(indices)}"
         )
+    else:
+        fixes.append("offer only covered cards with devices (--devices) or ROCR_VISIBLE_DEVICES")
+    others = [
+        v.label
+        for v in variants.values()
+        if v.vendor == AMD and v.label != variant.label and all(_gfx_covered(v.gfx, d) for d in uncovered)
+    ]
+    if others:
+        fixes.append(f"pick a variant that covers them: libtorch = {others[0]!r} (--libtorch {others[0]})")
+    else:
+        fixes.append(
+            "pick another variant (libtorch / --libtorch), or add a ROCm build for these targets by "
+            'overriding the flake (nix/CONTRACT.md, "Adding a variant")'
+        )
+    raise permanent(
+        f"libtorch {variant.label} ships no kernel for {cards}: its ROCm gfx targets are {variant.gfx_text}, and "
+        f"an AMD GPU runs only kernels built for its own target. Nothing was downloaded. Fix: {'; or '.join(fixes)}"
+    )
+
+
+def _refuse_other_vendor(variant: Variant, gpus: Gpus | None, variants: Mapping[str, Variant] | None) -> None:
+    """A CUDA build on a box of AMD cards (or the reverse) runs on none of
+    them: a golden image's libtorch pinned by label on the wrong box."""
+    if variant.vendor == AMD:
+        cards = ", ".join(f"GPU {d.index} ({d.name})" for d in _offered(gpus))
+        have, want = "NVIDIA", "CUDA"
+    else:
+        from prepare.amd import labels
+
+        offered = _amd_offered(gpus)
+        targets = ", ".join(dict.fromkeys(d.target or "target unknown" for d in offered))
+        cards = f"{labels(offered)}; {targets}"
+        have, want = "AMD", "ROCm"
+    own = [v.label for v in (variants or {}).values() if v.vendor == (AMD if have == "AMD" else NVIDIA)]
+    pick = (
+        f"or one of the flake's {want} variants ({', '.join(sorted(own))})"
+        if own
+        else f"(the flake has no {want} variant)"
+    )
+    raise permanent(
+        f"libtorch {variant.label} is a {variant.runtime} build, but this box offers {have} GPUs only ({cards}): "
+        f'it cannot run on them. Set libtorch = "auto" (--libtorch auto) {pick}, or pass --cpu-only on a '
+        "CPU-only worker"
+    )
+
+
+def _note_driver(variant: Variant, gpus: Gpus | None, notes: list[str]) -> None:
+    nvidia, amd = _offered(gpus), _amd_offered(gpus)
+    if variant.vendor is None and (nvidia or amd):
+        if not amd:
+            notes.append(
+                f"libtorch {variant.label} has no CUDA: the offered GPUs will sit idle; "
+                'set libtorch = "auto" (--libtorch auto) to use them'
+            )
+        else:
+            notes.append(
+                f"libtorch {variant.label} is a CPU build: the offered GPUs will sit idle; "
+                'set libtorch = "auto" (--libtorch auto) to use them'
+            )
+        return
+    idle = amd if variant.vendor == NVIDIA else nvidia
+    if idle and (nvidia if variant.vendor == NVIDIA else amd):
+        which = "AMD" if variant.vendor == NVIDIA else "NVIDIA"
+        notes.append(
+            f"libtorch {variant.label} is a {variant.runtime} build: the {len(idle)} offered {which} GPU(s) sit "
+            "idle in this run"
+        )
+    if variant.vendor != NVIDIA:
         return
     driver = gpus.cuda_driver_version if gpus is not None else None
-    if variant.cuda is None or driver is None or not _offered(gpus):
+    if variant.cuda is None or driver is None or not nvidia:
         return
     if variant.cuda > driver:
         notes.append(

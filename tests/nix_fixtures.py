@@ -10,7 +10,7 @@ environment a child process should get.
 
 `test_flake` (session) -> str: `path:<dir>` of a flat copy of tests/flake
 (flake.nix, toolchain.nix, flake.lock, nix/ beside them). Variants `cpu`,
-`cu128`.
+`cu128`, and the ROCm stand-ins `rocm6.4`, `rocm7.0`.
 
 `make_flake` (function) -> `(extra_nix=None, flake_nix=None, heavy=None) -> str`:
 a fresh flat copy, with `extra.nix` (a function toolchain -> variants), a

@@ -32,6 +32,9 @@ EXAMPLE = REPO / "examples" / "trainer"
 SYSTEM = {"x86_64": "x86_64-linux", "aarch64": "aarch64-linux"}.get(os.uname().machine, "x86_64-linux")
 FDL = f"legacyPackages.{SYSTEM}.fdl"
 CU128_ARCHS = ["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
+ROCM64_GFX = ["gfx900", "gfx906", "gfx908", "gfx90a", "gfx942", "gfx1030", "gfx1100", "gfx1101", "gfx1102", "gfx1200"]
+ROCM64_GFX.append("gfx1201")
+ROCM70_GFX = [*ROCM64_GFX, "gfx950", "gfx1150", "gfx1151"]
 # --no-eval-cache as the runner passes it: Nix 2.8 answers a repeated failing
 # evaluation from its cache with "'…' is not an attribute set", hiding the
 # message (nix/CONTRACT.md).
@@ -103,6 +106,9 @@ def test_the_variants_metadata_has_the_contract_shape(env, test_flake):
     assert got["variants"] == {
         "cpu": {"label": "cpu", "cuda": None, "archs": []},
         "cu128": {"label": "cu128", "cuda": "12.8", "archs": CU128_ARCHS},
+        # The test flake's ROCm stand-ins (tests/flake/flake.nix).
+        "rocm6.4": {"label": "rocm6.4", "cuda": None, "archs": [], "vendor": "amd", "rocm": "6.4", "gfx": ROCM64_GFX},
+        "rocm7.0": {"label": "rocm7.0", "cuda": None, "archs": [], "vendor": "amd", "rocm": "7.0", "gfx": ROCM70_GFX},
     }
 
 
@@ -118,6 +124,64 @@ def test_reading_the_variants_instantiates_no_derivation(env, make_flake):
     assert got["lazy"] == {"label": "lazy", "cuda": None, "archs": ["8.6"]}
     assert building.returncode != 0
     assert "the lazy variant was instantiated" in building.stderr
+
+
+def test_a_variant_that_declares_its_vendor_says_so_and_one_that_does_not_reads_as_before(env, make_flake):
+    flake = make_flake(
+        extra_nix='toolchain: { cu126 = { vendor = "nvidia"; cuda = "12.6"; archs = [ "6.0" ]; '
+        'package = toolchain.mkLibtorch { label = "cu126"; }; }; }'
+    )
+
+    got = nix_json(env, "eval", "--no-write-lock-file", f"{flake}#{FDL}.variants")
+
+    assert got["cu126"] == {
+        "label": "cu126",
+        "cuda": "12.6",
+        "archs": ["6.0"],
+        "vendor": "nvidia",
+        "gfx": [],
+        "rocm": None,
+    }
+    assert got["cu128"] == {"label": "cu128", "cuda": "12.8", "archs": CU128_ARCHS}
+
+
+@pytest.mark.parametrize(
+    ("variant", "says"),
+    [
+        pytest.param('vendor = "intel"; cuda = null; archs = [ ];', "`vendor` must be", id="unknown-vendor"),
+        pytest.param('vendor = "amd"; rocm = "7.0"; cuda = null; archs = [ ];', "needs `gfx`", id="amd-without-gfx"),
+        pytest.param(
+            'vendor = "amd"; rocm = "7.0"; cuda = null; archs = [ ]; gfx = [ "gfx11-generic" ];',
+            "no generic targets",
+            id="generic-target",
+        ),
+        pytest.param('vendor = "amd"; cuda = null; archs = [ ]; gfx = [ "gfx942" ];', "needs `rocm`", id="no-rocm"),
+        pytest.param(
+            'vendor = "amd"; rocm = "7.0"; cuda = "12.8"; archs = [ ]; gfx = [ "gfx942" ];',
+            "`cuda = null`",
+            id="amd-with-cuda",
+        ),
+        pytest.param('cuda = null; archs = [ ]; gfx = [ "gfx942" ];', "`gfx` is for ROCm builds", id="gfx-without-amd"),
+        pytest.param('vendor = "nvidia"; cuda = null; archs = [ ];', "needs `cuda`", id="nvidia-without-cuda"),
+    ],
+)
+def test_a_variant_with_malformed_vendor_metadata_is_refused_naming_it(env, make_flake, variant, says):
+    flake = make_flake(
+        extra_nix=f'toolchain: {{ bad = {{ {variant} package = toolchain.mkLibtorch {{ label = "bad"; }}; }}; }}'
+    )
+
+    done = nix(env, "eval", "--json", "--no-write-lock-file", f"{flake}#{FDL}.variants")
+
+    assert done.returncode != 0
+    assert 'variant "bad"' in done.stderr and says in done.stderr, done.stderr
+
+
+def test_a_rocm_stand_in_builds_under_its_dotted_label(env, test_flake):
+    done = nix(env, "build", "--json", "--no-link", "--no-write-lock-file", f'{test_flake}#{FDL}.libtorch."rocm7.0"')
+
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)[0]["outputs"]["out"]
+    assert (Path(out) / "share" / "fdl-libtorch-variant").read_text().strip() == "rocm7.0"
 
 
 def test_a_variant_with_malformed_archs_is_refused_naming_it(env, make_flake):
@@ -339,6 +403,10 @@ def test_the_production_flake_reads_its_variants_without_importing_nixpkgs(env, 
         throwing,
     )
     shared = nix_json(env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply", apply)
+    # The test flake adds ROCm stand-ins of its own (the production flake has
+    # no ROCm variant); everything from nix/ is the same.
+    for label in ("rocm6.4", "rocm7.0"):
+        del shared["variants"][label]
 
     assert got == shared
 

@@ -187,3 +187,179 @@ def test_a_variants_cuda_version_is_major_and_minor_and_null_for_cpu():
     # Two parsers, two names: Nix's version is a 3-tuple read from `nix --version`.
     assert nix.parse_nix_version("nix (Nix) 2.8.0") == (2, 8, 0)
     assert not hasattr(variants, "parse_version") and not hasattr(nix, "parse_version")
+
+
+# -- ROCm variants and AMD cards ----------------------------------------------------
+
+ROCM_VARIANTS = {
+    **SHIPPED,
+    # The test flake's stand-ins: PyTorch's libtorch target lists before and
+    # after gfx950, gfx1150 and gfx1151 were added.
+    "rocm6.4": {
+        "label": "rocm6.4",
+        "cuda": None,
+        "archs": [],
+        "vendor": "amd",
+        "rocm": "6.4",
+        "gfx": ["gfx900", "gfx906", "gfx908", "gfx90a", "gfx942", "gfx1030", "gfx1100", "gfx1101", "gfx1102"],
+    },
+    "rocm7.0": {
+        "label": "rocm7.0",
+        "cuda": None,
+        "archs": [],
+        "vendor": "amd",
+        "rocm": "7.0",
+        "gfx": ["gfx90a", "gfx942", "gfx950", "gfx1100", "gfx1101", "gfx1150", "gfx1151"],
+    },
+}
+
+
+def amd_card(index: int, target: str | None, name: str | None = "AMD Test Card", gfx: str | None = None):
+    from prepare.amd import AmdDevice
+
+    return AmdDevice(index, index + 2, name, gfx or target, target, None, None, None, 128 + index, None, True, None)
+
+
+def amd_box(*targets: str | None, nvidia: Gpus | None = None) -> Gpus:
+    from dataclasses import replace
+
+    from prepare.amd import AmdGpus
+
+    cards = tuple(amd_card(i, t) for i, t in enumerate(targets))
+    base = nvidia or Gpus(driver_version=None, cuda_driver_version=None, devices=(), offered=())
+    return replace(base, amd=AmdGpus(devices=cards, offered=cards))
+
+
+def test_a_rocm_variant_parses_with_its_vendor_version_and_targets():
+    v = variants(ROCM_VARIANTS)
+    rocm = v["rocm7.0"]
+    assert (rocm.vendor, rocm.rocm, rocm.cuda, rocm.archs) == ("amd", (7, 0), None, ())
+    assert "gfx1151" in rocm.gfx and rocm.runtime == "ROCm 7.0"
+    # A flake from before vendors existed: a CUDA version means NVIDIA.
+    assert (v["cu128"].vendor, v["cpu"].vendor) == ("nvidia", None)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"label": "x", "cuda": None, "archs": [], "vendor": "intel"},
+        {"label": "x", "cuda": None, "archs": [], "vendor": "amd", "rocm": "7.0", "gfx": []},
+        {"label": "x", "cuda": None, "archs": [], "vendor": "amd", "rocm": "7.0", "gfx": ["sm_86"]},
+        {"label": "x", "cuda": None, "archs": [], "vendor": "nvidia"},
+    ],
+)
+def test_malformed_rocm_metadata_is_permanent(meta):
+    with pytest.raises(Fail) as caught:
+        parse_variants({"x": meta}, FLAKE)
+    assert caught.value.permanent and "'x'" in caught.value.message
+
+
+def test_auto_on_an_amd_box_picks_the_newest_rocm_that_covers_every_card():
+    v = variants(ROCM_VARIANTS)
+    notes: list[str] = []
+    assert choose("auto", v, amd_box("gfx942", "gfx942"), False, FLAKE, notes).label == "rocm7.0"
+    assert "picked rocm7.0" in notes[0] and "gfx942" in notes[0]
+    # gfx906 (MI50) is in the 6.4 list only.
+    assert choose("auto", v, amd_box("gfx906"), False, FLAKE, []).label == "rocm6.4"
+    # A card whose target the driver did not report does not stand in the way.
+    assert choose("auto", v, amd_box(None, "gfx1151"), False, FLAKE, []).label == "rocm7.0"
+
+
+def test_auto_with_no_rocm_variant_for_the_cards_is_permanent_and_says_why():
+    with pytest.raises(Fail) as caught:
+        choose("auto", variants(ROCM_VARIANTS), amd_box("gfx906", "gfx1151"), False, FLAKE, [])
+    msg = caught.value.message
+    assert "no ROCm variant has kernels for every offered card" in msg
+    assert "AMD GPU 0 (AMD Test Card, gfx906)" in msg and "gfx1151" in msg
+    assert "rocm7.0 (ROCm 7.0; gfx gfx90a" in msg and "ROCR_VISIBLE_DEVICES" in msg
+    # The production flake has no ROCm variant at all.
+    with pytest.raises(Fail) as caught:
+        choose("auto", variants(), amd_box("gfx942"), False, FLAKE, [])
+    assert 'the flake has no ROCm variant (vendor = "amd")' in caught.value.message
+    assert "Adding a variant" in caught.value.message
+
+
+def test_a_rocm_variant_missing_a_cards_target_is_refused_naming_it_and_the_fixes():
+    v = variants(ROCM_VARIANTS)
+    with pytest.raises(Fail) as caught:
+        check_coverage(v["rocm6.4"], amd_box("gfx942", "gfx1151"), v)
+    msg = caught.value.message
+    assert caught.value.permanent
+    assert "AMD GPU 1 (AMD Test Card, gfx1151)" in msg and "AMD GPU 0" not in msg.split("Fix:")[0]
+    assert "own target" in msg and "Nothing was downloaded" in msg
+    assert "devices = [0] (--devices 0) or ROCR_VISIBLE_DEVICES=0" in msg
+    assert "libtorch = 'rocm7.0' (--libtorch rocm7.0)" in msg
+
+
+def test_coverage_is_checked_against_hsa_override_gfx_version():
+    from dataclasses import replace
+
+    v = variants(ROCM_VARIANTS)
+    overridden = amd_box("gfx1030")
+    card = replace(overridden.amd.devices[0], gfx="gfx1031")
+    gpus = replace(overridden, amd=replace(overridden.amd, devices=(card,), offered=(card,)))
+    check_coverage(v["rocm6.4"], gpus, v)  # gfx1031 runs the gfx1030 kernels under the override
+    with pytest.raises(Fail) as caught:
+        check_coverage(v["rocm7.0"], gpus, v)
+    assert "gfx1031, run as gfx1030 by HSA_OVERRIDE_GFX_VERSION" in caught.value.message
+
+
+def test_a_variant_of_one_vendor_on_a_box_of_the_other_is_permanent():
+    v = variants(ROCM_VARIANTS)
+    with pytest.raises(Fail) as caught:
+        choose("rocm7.0", v, box((8, 6)), False, FLAKE, [])
+    assert "libtorch rocm7.0 is a ROCm 7.0 build, but this box offers NVIDIA GPUs only" in caught.value.message
+    assert "CUDA variants (cu128)" in caught.value.message
+    with pytest.raises(Fail) as caught:
+        choose("cu128", v, amd_box("gfx942"), False, FLAKE, [])
+    assert "libtorch cu128 is a CUDA 12.8 build, but this box offers AMD GPUs only" in caught.value.message
+    assert "(rocm6.4, rocm7.0)" in caught.value.message
+
+
+def test_the_other_vendors_cards_never_block_a_variant_and_are_noted_idle():
+    v = variants(ROCM_VARIANTS)
+    # A Pascal card cu128 cannot serve does not matter to a ROCm build.
+    mixed = amd_box("gfx942", nvidia=box((6, 1)))
+    notes: list[str] = []
+    assert choose("rocm7.0", v, mixed, False, FLAKE, notes).label == "rocm7.0"
+    assert any("the 1 offered NVIDIA GPU(s) sit idle" in n for n in notes), notes
+    # Nor does an AMD card no ROCm variant serves matter to a CUDA build.
+    notes = []
+    assert choose("cu128", v, amd_box("gfx803", nvidia=box((8, 6))), False, FLAKE, notes).label == "cu128"
+    assert any("the 1 offered AMD GPU(s) sit idle" in n for n in notes), notes
+
+
+def test_auto_on_a_box_of_both_vendors_picks_the_one_with_more_cards_nvidia_on_a_tie():
+    v = variants(ROCM_VARIANTS)
+    notes: list[str] = []
+    assert choose("auto", v, amd_box("gfx942", nvidia=box((8, 6))), False, FLAKE, notes).label == "cu128"
+    assert "1 NVIDIA and 1 AMD" in notes[0] and "NVIDIA wins a tie" in notes[0]
+    notes = []
+    assert choose("auto", v, amd_box("gfx942", "gfx942", nvidia=box((8, 6))), False, FLAKE, notes).label == "rocm7.0"
+    assert "the AMD ones, more of them" in notes[0]
+
+
+def test_auto_falls_back_to_the_other_vendor_when_no_variant_serves_the_first():
+    v = variants(ROCM_VARIANTS)
+    notes: list[str] = []
+    # Two Pascal cards outnumber the MI300X, but no variant here serves Pascal.
+    assert choose("auto", v, amd_box("gfx942", nvidia=box((6, 1), (6, 1))), False, FLAKE, notes).label == "rocm7.0"
+    assert "no variant serves the NVIDIA ones" in notes[0]
+    with pytest.raises(Fail) as caught:
+        choose("auto", v, amd_box("gfx803", nvidia=box((6, 1))), False, FLAKE, [])
+    assert "found no variant for either vendor" in caught.value.message
+    assert "NVIDIA: " in caught.value.message and "AMD: " in caught.value.message
+
+
+def test_the_cpu_variant_on_an_amd_box_is_allowed_with_a_note():
+    notes: list[str] = []
+    assert choose("cpu", variants(ROCM_VARIANTS), amd_box("gfx942"), False, FLAKE, notes).label == "cpu"
+    assert any("CPU build" in n and "sit idle" in n for n in notes), notes
+
+
+def test_a_dotted_label_is_quoted_as_one_attribute_of_an_installable():
+    from prepare.variants import nix_attr
+
+    assert nix_attr("cu128") == "cu128"
+    assert nix_attr("rocm7.0") == '"rocm7.0"'
+    assert nix_attr("12x") == '"12x"'

@@ -32,9 +32,65 @@
         else
           throw "fdl-prepare test flake: no nix/ beside flake.nix and no ../../nix; reference it as git+file://<repo>?dir=tests/flake or copy nix/ next to it";
 
+      # ROCm stand-ins, so `auto` and coverage can route AMD boxes without
+      # nixpkgs. The gfx lists are real: the targets PyTorch's libtorch image
+      # script (.ci/docker/libtorch/build.sh) passes as PYTORCH_ROCM_ARCH,
+      # before gfx950, gfx1150 and gfx1151 were added (rocm6.4) and after,
+      # with ROCm 7.0.2 (rocm7.0). The production flake has no ROCm variant
+      # (nix/libtorch.nix says why).
+      rocmStandIns = toolchain: {
+        "rocm6.4" = {
+          vendor = "amd";
+          rocm = "6.4";
+          cuda = null;
+          archs = [ ];
+          gfx = [
+            "gfx900"
+            "gfx906"
+            "gfx908"
+            "gfx90a"
+            "gfx942"
+            "gfx1030"
+            "gfx1100"
+            "gfx1101"
+            "gfx1102"
+            "gfx1200"
+            "gfx1201"
+          ];
+          package = toolchain.mkLibtorch { label = "rocm6.4"; };
+        };
+        "rocm7.0" = {
+          vendor = "amd";
+          rocm = "7.0";
+          cuda = null;
+          archs = [ ];
+          gfx = [
+            "gfx900"
+            "gfx906"
+            "gfx908"
+            "gfx90a"
+            "gfx942"
+            "gfx1030"
+            "gfx1100"
+            "gfx1101"
+            "gfx1102"
+            "gfx1200"
+            "gfx1201"
+            "gfx950"
+            "gfx1150"
+            "gfx1151"
+          ];
+          package = toolchain.mkLibtorch { label = "rocm7.0"; };
+        };
+      };
+
       # A test (or a person) adds variants without editing this file: an
-      # extra.nix here is a function toolchain -> { <label> = { cuda; archs; package; }; }.
-      extraVariants = if builtins.pathExists ./extra.nix then import ./extra.nix else (_toolchain: { });
+      # extra.nix here is a function toolchain -> { <label> = { cuda; archs; package; }; },
+      # merged over the stand-ins above (a label that exists is replaced).
+      extraVariants =
+        toolchain:
+        rocmStandIns toolchain
+        // (if builtins.pathExists ./extra.nix then import ./extra.nix toolchain else { });
 
       # An evaluation as costly as nixpkgs' (seconds, not milliseconds), for
       # the warm-path tests and bench/warm_path.py: a heavy.nix here holds
