@@ -140,7 +140,7 @@ let
         type = types.nullOr (types.listOf types.ints.unsigned);
         default = null;
         example = [ 0 1 ];
-        description = "GPU indices this box offers, after CUDA_VISIBLE_DEVICES.";
+        description = "GPU indices this box offers, in the vendor's own numbering (NVML's for NVIDIA, ROCm's for AMD), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).";
       };
       cpu_only = mkOption {
         type = types.bool;

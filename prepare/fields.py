@@ -284,7 +284,7 @@ FIELDS: tuple[Field, ...] = (
         kind=DEVICES,
         metavar="LIST",
         nix="nullOr (listOf ints.unsigned)",
-        help="GPU indices this box offers, e.g. 0,1 (after CUDA_VISIBLE_DEVICES).",
+        help="GPU indices this box offers, e.g. 0,1, in the vendor's own numbering (NVML's, or ROCm's), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).",
     ),
     Field(
         key="cpu_only",

@@ -75,7 +75,7 @@ class PrepareSpec:
     # "auto", a variant label the flake provides ("cpu", "cu128", ...), or None
     # for no libtorch at all.
     libtorch: str | None = None
-    # Indices this box offers to the run, applied after CUDA_VISIBLE_DEVICES.
+    # Indices this box offers to the run, in its vendor's numbering, applied after the masks.
     devices: tuple[int, ...] | None = None
     cpu_only: bool = False
     flake: str | None = None
