@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import config, dirs, human, locks, outputs
+from prepare import caches, config, dirs, human, locks, outputs
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import variants as variants_mod
@@ -377,7 +377,14 @@ def start(
             f"as root builds there as them): nix builds under {tmpdir} instead"
         )
         env = {**base_env, "TMPDIR": tmpdir}
-    nix = nix_mod.Nix(state, program=nix_program, env=env, on_event=progress)
+    nix = nix_mod.Nix(
+        state,
+        program=nix_program,
+        env=env,
+        on_event=progress,
+        substituters=spec.nix.substituters,
+        trusted_public_keys=spec.nix.trusted_public_keys,
+    )
     nix.check_version()
     return Session(spec, notes, flake, state, nix, _Phases(progress))
 
@@ -426,10 +433,13 @@ def fetch_source(session: Session) -> Source | None:
     return Source(fetched=fetched, recipe=recipe)
 
 
-def build_outputs(session: Session, variant: variants_mod.Variant, source: Source | None) -> Built:
+def build_outputs(
+    session: Session, variant: variants_mod.Variant, source: Source | None, *, link: str = "run"
+) -> Built:
     """Step 5, second half: one `nix build` of libtorch, the training binary
     and the fetched tree (pinned by store path and NAR hash, the recipe
-    passed as a flake input), with GC roots under the state directory."""
+    passed as a flake input), with GC roots under the state directory,
+    named `<state>/gcroots/<link>*` (a publish keeps one set per variant)."""
     installables = [f"{session.fdl}.libtorch.{variant.label}"]
     overrides: dict[str, str] = {}
     if source is not None:
@@ -437,7 +447,7 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
         overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
         installables += [f"{session.fdl}.training", source.fetched.store_path]
     session.step("build", ", ".join(_short(i) for i in installables))
-    out_link = os.path.join(session.state, "gcroots", "run")
+    out_link = os.path.join(session.state, "gcroots", link)
     results, log = session.nix.build(
         installables,
         out_link=out_link,
@@ -448,7 +458,9 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
         + (f" and the training binary from {source.fetched.url!r}" if source is not None else ""),
     )
     outputs.prune_links(out_link, outputs.store_paths(results))
-    return _built(session, variant, source, results, log)
+    built = _built(session, variant, source, results, log)
+    caches.note(log, session.spec.nix.substituters, session.notes)
+    return built
 
 
 def build(

@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -140,6 +140,7 @@ def make_app(table: Table = TABLE) -> typer.Typer:
 
     app.callback(invoke_without_command=True)(_with_field_options(run, table))
     app.command("gpus")(gpus)
+    app.command("publish", no_args_is_help=True)(publish)
     return app
 
 
@@ -173,19 +174,19 @@ def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, tabl
     return EXIT_OK
 
 
-def _report_fail(fail: Fail, notes: list[str], as_json: bool) -> int:
+def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) -> int:
     code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
     if as_json:
         print(json.dumps({"kind": fail.kind, "message": fail.message, "notes": notes}, sort_keys=True))
         return code
-    print_notes(NAME, notes)
+    print_notes(name, notes)
     then = (
         "retrying cannot help: fix the cause above, then run again"
         if fail.permanent
         else "the next attempt may succeed: retry with backoff"
     )
-    print(f"{NAME}: {fail.kind} failure: {fail.message}", file=sys.stderr)
-    print(f"{NAME}: exit {code}: {then}", file=sys.stderr)
+    print(f"{name}: {fail.kind} failure: {fail.message}", file=sys.stderr)
+    print(f"{name}: exit {code}: {then}", file=sys.stderr)
     return code
 
 
@@ -225,6 +226,85 @@ def gpus(
     else:
         print(gate.format_table(survey))
         print_notes(f"{NAME} gpus", survey.notes)
+    raise typer.Exit(EXIT_OK)
+
+
+def publish(
+    source: str = typer.Argument(..., metavar="SOURCE_DIR", help="The training source tree (a git checkout or not)."),
+    bin_: str = typer.Option(..., "--bin", metavar="NAME", help="The training binary the build installs."),
+    variants: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--variant", metavar="LABEL", help="libtorch variant to build and serve, repeatable (cpu, cu128)."
+        ),
+    ] = None,
+    to: str = typer.Option(..., "--to", metavar="URL", help="The binary cache: a store URL `nix copy --to` takes."),
+    signing_key: str = typer.Option(
+        ..., "--signing-key", metavar="FILE", help="Nix secret key file the outputs are signed with (read by nix)."
+    ),
+    cwd: str = typer.Option(".", "--cwd", metavar="DIR", help="Directory inside the source the build and run use."),
+    build: str | None = typer.Option(None, "--build", metavar="CMD", help="Build line (default: the flake's)."),
+    args: Annotated[
+        list[str] | None, typer.Option("--arg", metavar="ARG", help="An argument of the run, repeatable, in order.")
+    ] = None,
+    flake: str | None = typer.Option(
+        None,
+        "--flake",
+        metavar="URL",
+        help="The flake the boxes build with (the same revision). Default: $FDL_PREPARE_FLAKE.",
+    ),
+    state_dir: str | None = typer.Option(
+        None, "--state-dir", metavar="DIR", help="Where the GC roots of the outputs live. Default: <state>/publish."
+    ),
+    build_timeout: float | None = typer.Option(
+        None, "--build-timeout", metavar="SECONDS", help="Abandon a build running longer than this."
+    ),
+    commit: bool = typer.Option(False, "--commit", help="git: commit the manifest alone on the commit built."),
+    push: bool = typer.Option(False, "--push", help="git: commit and push the manifest."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the publish, or the Fail."),
+) -> None:
+    """Build the run's outputs for each variant, sign them, copy them to a binary cache, then write
+    .fdl-run.toml (the commit point): boxes that trust the key substitute instead of building."""
+    from prepare import progress as progress_mod
+    from prepare.publish import PublishSpec
+    from prepare.publish import publish as run_publish
+
+    notes: list[str] = []
+    start = time.monotonic()
+    name = f"{NAME} publish"
+    spec = PublishSpec(
+        source=source,
+        bin=bin_,
+        variants=tuple(variants or ()),
+        to=to,
+        signing_key=signing_key,
+        cwd=cwd,
+        build=build,
+        args=tuple(args or ()),
+        flake=flake or os.environ.get("FDL_PREPARE_FLAKE") or None,
+        state_dir=state_dir,
+        build_timeout_s=build_timeout,
+        commit=commit or push,
+        push=push,
+    )
+    try:
+        done = run_publish(spec, notes, progress_mod.renderer(sys.stderr, prefix=name))
+    except Fail as fail:
+        raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
+    if as_json:
+        print(json.dumps({**done.to_json(), "notes": notes}))
+        raise typer.Exit(EXIT_OK)
+    print_notes(name, notes)
+    err = sys.stderr
+    print(f"{name}: run {done.run_id} published in {time.monotonic() - start:.2f}s", file=err)
+    rows = [("source", os.path.abspath(source) + (f" (git {done.rev[:12]})" if done.rev else ""))]
+    rows += [("to", done.to)]
+    rows += [(label, f"{out.bin}  (libtorch {out.libtorch})") for label, out in done.outputs.items()]
+    rows += [("manifest", done.manifest + (f" (commit {done.commit[:12]})" if done.commit else ""))]
+    if done.next_step:
+        rows.append(("next", done.next_step))
+    for key, value in rows:
+        print(f"  {key:<9} {value}", file=err)
     raise typer.Exit(EXIT_OK)
 
 
