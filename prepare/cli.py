@@ -311,10 +311,16 @@ def publish(
 app = make_app()
 
 
-def main() -> None:
+def main(args: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        app(prog_name=NAME, standalone_mode=True)
+        app(args=args, prog_name=NAME, standalone_mode=True)
     except KeyboardInterrupt:
         print(f"{NAME}: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def publish_main() -> None:
+    """`fdl-prepare-publish ARGS` is `fdl-prepare publish ARGS`: a flake app
+    is one program, and `nix run .#publish -- ARGS` runs this one."""
+    main(["publish", *sys.argv[1:]])

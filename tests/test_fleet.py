@@ -270,7 +270,9 @@ def test_publish_without_a_flag_writes_the_manifest_and_says_how_to_commit_it(
     (src.path / "README").write_text("an uncommitted edit\n")
 
     notes: list[str] = []
-    done = publish(publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), notes)
+    done = publish(
+        publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), notes
+    )
 
     assert done.rev == head.strip() and done.commit is None and not done.pushed
     assert (src.path / ".fdl-run.toml").exists()
@@ -341,7 +343,9 @@ def test_a_publish_that_cannot_work_is_refused_before_anything_is_built(
     change, words, test_flake, binary_cache, signing_key, tmp_path
 ):
     tree = _directory_source(tmp_path)
-    spec = replace(publish_spec(tree, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), **change)
+    spec = replace(
+        publish_spec(tree, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), **change
+    )
     events: list[dict] = []
     with pytest.raises(Fail) as caught:
         publish(spec, [], events.append)
@@ -416,6 +420,9 @@ def test_the_flag_reaches_every_nix_call_as_an_option_and_never_through_the_flak
 
 def test_the_cli_takes_the_caches_as_flags(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "prepare", "--help"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}
+        [sys.executable, "-m", "prepare", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
     )
     assert "--substituter" in done.stdout and "--trusted-public-key" in done.stdout
