@@ -126,10 +126,12 @@ let
   # writing it would change the derivation every box evaluates, and each box
   # would build what the publish had just pushed. Only the root's manifest
   # goes: a file of that name deeper in the tree is the source's own.
+  # The name is how the runner tells a failed training build (it names this
+  # copy) from a failed build of the flake's own (prepare/nix_diagnosis.py).
   manifest = "${toString source}/.fdl-run.toml";
   trainingSource = builtins.path {
     path = source;
-    name = "source";
+    name = "fdl-training-source";
     filter = path: _type: path != manifest;
   };
 

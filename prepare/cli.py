@@ -11,6 +11,7 @@ Heavy modules (the steps, pynvml, rich) are imported inside the commands so
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -69,16 +70,29 @@ def _option(f: Field) -> inspect.Parameter:
     )
 
 
-def _with_field_options(command: Callable[..., None], table: Table) -> Callable[..., None]:
-    """`command` with one option per field of `table` after its first two
-    parameters (the context and --config), which take the rest as **given."""
+def _with_field_options(command: Callable[..., None], table: Table, after: int | None = 2) -> Callable[..., None]:
+    """`command` with one option per field of `table` after its first `after`
+    parameters (prepare: the context and --config; None: after all of its
+    own), which take the rest as **given."""
     signature = inspect.signature(command, eval_str=True)
     own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params = [*own[:2], *(_option(f) for f in table.fields), *own[2:]]
+    split = len(own) if after is None else after
+    params = [*own[:split], *(_option(f) for f in table.fields), *own[split:]]
     # typer reads a command's options from its signature, and a declared
     # __signature__ is what inspect.signature reports.
     cast(Any, command).__signature__ = signature.replace(parameters=params)
     return command
+
+
+def _fresh(command: Callable[..., None]) -> Callable[..., None]:
+    """A new function running `command`, to carry a signature of its own:
+    `command` itself stays as written, however many apps are made."""
+
+    @functools.wraps(command)
+    def call(*args: Any, **kwargs: Any) -> None:
+        command(*args, **kwargs)
+
+    return call
 
 
 def _flags(table: Table, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,6 +112,11 @@ def _flags(table: Table, given: Mapping[str, Any]) -> dict[str, Any]:
                 raise typer.BadParameter(fail.message) from None
         flat[f.key] = value
     return nest(flat)
+
+
+# The keys publish shares with prepare: the flake both build with, where the
+# GC roots live, and how long a build may run. Same flags, same checks.
+PUBLISH_SHARED = Table([TABLE.by_key[key] for key in ("flake", "state_dir", "build_timeout")])
 
 
 def make_app(table: Table = TABLE) -> typer.Typer:
@@ -140,7 +159,7 @@ def make_app(table: Table = TABLE) -> typer.Typer:
 
     app.callback(invoke_without_command=True)(_with_field_options(run, table))
     app.command("gpus")(gpus)
-    app.command("publish", no_args_is_help=True)(publish)
+    app.command("publish", no_args_is_help=True)(_with_field_options(_fresh(publish), PUBLISH_SHARED, after=None))
     return app
 
 
@@ -247,24 +266,15 @@ def publish(
     args: Annotated[
         list[str] | None, typer.Option("--arg", metavar="ARG", help="An argument of the run, repeatable, in order.")
     ] = None,
-    flake: str | None = typer.Option(
-        None,
-        "--flake",
-        metavar="URL",
-        help="The flake the boxes build with (the same revision). Default: $FDL_PREPARE_FLAKE.",
-    ),
-    state_dir: str | None = typer.Option(
-        None, "--state-dir", metavar="DIR", help="Where the GC roots of the outputs live. Default: <state>/publish."
-    ),
-    build_timeout: float | None = typer.Option(
-        None, "--build-timeout", metavar="SECONDS", help="Abandon a build running longer than this."
-    ),
     commit: bool = typer.Option(False, "--commit", help="git: commit the manifest alone on the commit built."),
     push: bool = typer.Option(False, "--push", help="git: commit and push the manifest."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the publish, or the Fail."),
+    **given: Any,
 ) -> None:
     """Build the run's outputs for each variant, sign them, copy them to a binary cache, then write
-    .fdl-run.toml (the commit point): boxes that trust the key substitute instead of building."""
+    .fdl-run.toml (the commit point): boxes that trust the key substitute instead of building.
+    --flake must name the flake the boxes build with, at the same revision."""
+    from prepare import config
     from prepare import progress as progress_mod
     from prepare.publish import PublishSpec
     from prepare.publish import publish as run_publish
@@ -272,6 +282,11 @@ def publish(
     notes: list[str] = []
     start = time.monotonic()
     name = f"{NAME} publish"
+    try:
+        # The same flags, checks and environment defaults as prepare's.
+        shared = config.resolve({}, _flags(PUBLISH_SHARED, given), os.environ, table=PUBLISH_SHARED)
+    except Fail as fail:
+        raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
     spec = PublishSpec(
         source=source,
         bin=bin_,
@@ -281,9 +296,9 @@ def publish(
         cwd=cwd,
         build=build,
         args=tuple(args or ()),
-        flake=flake or os.environ.get("FDL_PREPARE_FLAKE") or None,
-        state_dir=state_dir,
-        build_timeout_s=build_timeout,
+        flake=shared.flake,
+        state_dir=shared.state_dir,
+        build_timeout_s=shared.build_timeout_s,
         commit=commit or push,
         push=push,
     )

@@ -281,12 +281,19 @@ def explain(
     return failure(diagnosis, doing, fix=fix, extra=extra)
 
 
+# The store name of the training source as the training derivation gets it:
+# the fetched tree without its run manifest (nix/contract.nix), copied at
+# evaluation, so its store path is not the fetched one.
+TRAINING_SOURCE_NAME = "fdl-training-source"
+
+
 def _builds_from(act: Activity | None, source_path: str | None) -> bool:
     """Whether the failed build is the training source's: its derivation
-    names the fetched source tree (as `src`, or through a vendoring step that
-    reads it). Anything else that failed (libtorch, the flake's toolchain)
-    is the flake's. When that cannot be told, the training build is blamed,
-    as before the distinction existed: it is the one that changes."""
+    names the fetched source tree, or the contract's copy of it without the
+    manifest (as `src`, or through a vendoring step that reads it). Anything
+    else that failed (libtorch, the flake's toolchain) is the flake's. When
+    that cannot be told, the training build is blamed, as before the
+    distinction existed: it is the one that changes."""
     if source_path is None:
         return False
     drv = act.fields[0] if act is not None and act.fields else None
@@ -294,6 +301,7 @@ def _builds_from(act: Activity | None, source_path: str | None) -> bool:
         return True
     try:
         with open(drv, "rb") as handle:
-            return source_path.encode() in handle.read()
+            text = handle.read()
     except OSError:
         return True
+    return source_path.encode() in text or f"-{TRAINING_SOURCE_NAME}".encode() in text

@@ -426,3 +426,18 @@ def test_the_cli_takes_the_caches_as_flags(tmp_path):
         env={**os.environ, "COLUMNS": "200"},
     )
     assert "--substituter" in done.stdout and "--trusted-public-key" in done.stdout
+
+
+def test_publish_takes_preparations_shared_flags_with_the_same_checks(tmp_path):
+    publish_script = Path(console_script()).with_name("fdl-prepare-publish")
+    if not publish_script.exists():
+        pytest.skip("the fdl-prepare-publish console script is not installed (pip install -e .)")
+    key = tmp_path / "key"
+    key.write_text("unused\n")
+    argv = [str(publish_script), str(tmp_path), "--bin", "train", "--variant", "cpu", "--to", "file:///x"]
+    done = subprocess.run(
+        [*argv, "--signing-key", str(key), "--build-timeout", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 78, done.stderr
+    assert "fdl-prepare publish: permanent failure" in done.stderr
+    assert "--build-timeout (join.build_timeout) = 0.0" in done.stderr
