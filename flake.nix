@@ -106,9 +106,15 @@
             type = "app";
             program = "${self.packages.${system}.fdl-prepare}/bin/fdl-prepare";
           };
+          # `nix run .#publish -- SOURCE_DIR --to URL ...` on the controller:
+          # build once, sign, fill the cache the boxes substitute from.
+          publish = {
+            type = "app";
+            program = "${self.packages.${system}.fdl-prepare}/bin/fdl-prepare-publish";
+          };
         in
         {
-          inherit prepare;
+          inherit prepare publish;
           default = prepare;
         }
       );

@@ -159,13 +159,28 @@ let
         libtorch = variant;
       };
 
+  # The source the training build sees: the tree without its run manifest.
+  # A publish builds, pushes the outputs to a cache, and only then writes
+  # .fdl-run.toml (the commit point); if the manifest were part of `src`,
+  # writing it would change the derivation every box evaluates, and each box
+  # would build what the publish had just pushed. Only the root's manifest
+  # goes: a file of that name deeper in the tree is the source's own.
+  # The name is how the runner tells a failed training build (it names this
+  # copy) from a failed build of the flake's own (prepare/nix_diagnosis.py).
+  manifest = "${toString source}/.fdl-run.toml";
+  trainingSource = builtins.path {
+    path = source;
+    name = "fdl-training-source";
+    filter = path: _type: path != manifest;
+  };
+
   training =
     let
       r = checkedRecipe;
     in
     toolchain.buildTraining {
       inherit system;
-      src = source;
+      src = trainingSource;
       inherit (r) cwd build bin;
       variant = r.libtorch;
       libtorch = if r.libtorch == null then null else libtorch.${r.libtorch};

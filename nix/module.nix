@@ -118,6 +118,39 @@ let
     };
   };
 
+  # What a box trusts comes from here, never from a flake's nixConfig: both
+  # lists reach every nix call as options, added to nix.conf's own.
+  nixSubmodule = types.submodule {
+    freeformType = settingsFormat.type;
+    options = {
+      substituters = mkOption {
+        type = types.nullOr (types.listOf types.str);
+        default = null;
+        example = [ "https://cache.example.org" ];
+        description = ''
+          Binary caches (store URLs) that `fdl-prepare publish --to` fills:
+          the box substitutes the published libtorch and training binary
+          from them instead of building. A cache that cannot be reached is
+          a note, and the box builds. The unit runs as root, so the daemon
+          takes them; a non-root user needs them in the daemon's
+          `trusted-substituters` (`nix.settings.trusted-substituters`), or
+          preparation stops (exit 78).
+        '';
+      };
+      trusted_public_keys = mkOption {
+        type = types.nullOr (types.listOf types.str);
+        default = null;
+        example = [ "cache.example.org-1:<base64>" ];
+        description = ''
+          Public keys (`name:base64`) the published paths are signed with.
+          A path signed by none of them (or of nix.conf's) is not
+          substituted: the box builds it itself and says why. Never put the
+          secret signing key here.
+        '';
+      };
+    };
+  };
+
   joinSubmodule = types.submodule {
     freeformType = settingsFormat.type;
     options = {
@@ -154,6 +187,11 @@ let
         type = sshSubmodule;
         default = { };
         description = "The `[join.ssh]` table.";
+      };
+      nix = mkOption {
+        type = nixSubmodule;
+        default = { };
+        description = "The `[join.nix]` table: binary caches and the keys their paths must be signed with.";
       };
       source = mkOption {
         type = sourceSubmodule;

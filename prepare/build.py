@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import config, dirs, human, locks, outputs
+from prepare import caches, config, dirs, human, locks, outputs
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import record as record_mod
@@ -384,7 +384,14 @@ def start(
             f"as root builds there as them): nix builds under {tmpdir} instead"
         )
         env = {**base_env, "TMPDIR": tmpdir}
-    nix = nix_mod.Nix(state, program=nix_program, env=env, on_event=progress)
+    nix = nix_mod.Nix(
+        state,
+        program=nix_program,
+        env=env,
+        on_event=progress,
+        substituters=spec.nix.substituters,
+        trusted_public_keys=spec.nix.trusted_public_keys,
+    )
     nix.check_version()
     return Session(spec, notes, flake, state, nix, _Phases(progress))
 
@@ -448,14 +455,19 @@ def fetch_source(session: Session) -> Source | None:
     return Source(fetched=fetched, recipe=recipe)
 
 
-def build_outputs(session: Session, variant: variants_mod.Variant, source: Source | None) -> Built:
+def build_outputs(
+    session: Session, variant: variants_mod.Variant, source: Source | None, *, link: str = "run"
+) -> Built:
     """Step 5, second half: one `nix build` of libtorch, the training binary
     and the fetched tree (pinned by store path and NAR hash, the recipe
-    passed as a flake input), with GC roots under the state directory."""
-    out_link = os.path.join(session.state, "gcroots", "run")
+    passed as a flake input), with GC roots under the state directory,
+    named `<state>/gcroots/<link>*` (a publish keeps one set per variant).
+    Only prepare's own set (`run`) is recorded for the warm path."""
+    out_link = os.path.join(session.state, "gcroots", link)
+    warm = link == "run"
     flake_input = None if source is None else source.recipe.flake_input(variant.label, CONTRACT)
     plan_key = None
-    if session.flake_key is not None:
+    if warm and session.flake_key is not None:
         nar_hash = None if source is None else source.fetched.nar_hash
         plan_key = record_mod.key(session.flake_key, variant.label, nar_hash, flake_input)
     known = session.record
@@ -494,8 +506,9 @@ def build_outputs(session: Session, variant: variants_mod.Variant, source: Sourc
     if session.flake_key is not None and plan_key is not None:
         plan = record_mod.Plan(key=plan_key, results=results)
         record_mod.save(session.state, record_mod.Record(session.flake_key, session.variants_raw, plan))
-    else:
+    elif warm:
         record_mod.forget(session.state)
+    caches.note(log, session.spec.nix.substituters, session.notes)
     return built
 
 

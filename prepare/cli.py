@@ -11,6 +11,7 @@ Heavy modules (the steps, pynvml, rich) are imported inside the commands so
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -18,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -69,16 +70,29 @@ def _option(f: Field) -> inspect.Parameter:
     )
 
 
-def _with_field_options(command: Callable[..., None], table: Table) -> Callable[..., None]:
-    """`command` with one option per field of `table` after its first two
-    parameters (the context and --config), which take the rest as **given."""
+def _with_field_options(command: Callable[..., None], table: Table, after: int | None = 2) -> Callable[..., None]:
+    """`command` with one option per field of `table` after its first `after`
+    parameters (prepare: the context and --config; None: after all of its
+    own), which take the rest as **given."""
     signature = inspect.signature(command, eval_str=True)
     own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params = [*own[:2], *(_option(f) for f in table.fields), *own[2:]]
+    split = len(own) if after is None else after
+    params = [*own[:split], *(_option(f) for f in table.fields), *own[split:]]
     # typer reads a command's options from its signature, and a declared
     # __signature__ is what inspect.signature reports.
     cast(Any, command).__signature__ = signature.replace(parameters=params)
     return command
+
+
+def _fresh(command: Callable[..., None]) -> Callable[..., None]:
+    """A new function running `command`, to carry a signature of its own:
+    `command` itself stays as written, however many apps are made."""
+
+    @functools.wraps(command)
+    def call(*args: Any, **kwargs: Any) -> None:
+        command(*args, **kwargs)
+
+    return call
 
 
 def _flags(table: Table, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,6 +112,11 @@ def _flags(table: Table, given: Mapping[str, Any]) -> dict[str, Any]:
                 raise typer.BadParameter(fail.message) from None
         flat[f.key] = value
     return nest(flat)
+
+
+# The keys publish shares with prepare: the flake both build with, where the
+# GC roots live, and how long a build may run. Same flags, same checks.
+PUBLISH_SHARED = Table([TABLE.by_key[key] for key in ("flake", "state_dir", "build_timeout")])
 
 
 def make_app(table: Table = TABLE) -> typer.Typer:
@@ -140,6 +159,7 @@ def make_app(table: Table = TABLE) -> typer.Typer:
 
     app.callback(invoke_without_command=True)(_with_field_options(run, table))
     app.command("gpus")(gpus)
+    app.command("publish", no_args_is_help=True)(_with_field_options(_fresh(publish), PUBLISH_SHARED, after=None))
     return app
 
 
@@ -173,19 +193,19 @@ def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, tabl
     return EXIT_OK
 
 
-def _report_fail(fail: Fail, notes: list[str], as_json: bool) -> int:
+def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) -> int:
     code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
     if as_json:
         print(json.dumps({"kind": fail.kind, "message": fail.message, "notes": notes}, sort_keys=True))
         return code
-    print_notes(NAME, notes)
+    print_notes(name, notes)
     then = (
         "retrying cannot help: fix the cause above, then run again"
         if fail.permanent
         else "the next attempt may succeed: retry with backoff"
     )
-    print(f"{NAME}: {fail.kind} failure: {fail.message}", file=sys.stderr)
-    print(f"{NAME}: exit {code}: {then}", file=sys.stderr)
+    print(f"{name}: {fail.kind} failure: {fail.message}", file=sys.stderr)
+    print(f"{name}: exit {code}: {then}", file=sys.stderr)
     return code
 
 
@@ -230,13 +250,94 @@ def gpus(
     raise typer.Exit(EXIT_OK)
 
 
+def publish(
+    source: str = typer.Argument(..., metavar="SOURCE_DIR", help="The training source tree (a git checkout or not)."),
+    bin_: str = typer.Option(..., "--bin", metavar="NAME", help="The training binary the build installs."),
+    variants: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--variant", metavar="LABEL", help="libtorch variant to build and serve, repeatable (cpu, cu128)."
+        ),
+    ] = None,
+    to: str = typer.Option(..., "--to", metavar="URL", help="The binary cache: a store URL `nix copy --to` takes."),
+    signing_key: str = typer.Option(
+        ..., "--signing-key", metavar="FILE", help="Nix secret key file the outputs are signed with (read by nix)."
+    ),
+    cwd: str = typer.Option(".", "--cwd", metavar="DIR", help="Directory inside the source the build and run use."),
+    build: str | None = typer.Option(None, "--build", metavar="CMD", help="Build line (default: the flake's)."),
+    args: Annotated[
+        list[str] | None, typer.Option("--arg", metavar="ARG", help="An argument of the run, repeatable, in order.")
+    ] = None,
+    commit: bool = typer.Option(False, "--commit", help="git: commit the manifest alone on the commit built."),
+    push: bool = typer.Option(False, "--push", help="git: commit and push the manifest."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the publish, or the Fail."),
+    **given: Any,
+) -> None:
+    """Build the run's outputs for each variant, sign them, copy them to a binary cache, then write
+    .fdl-run.toml (the commit point): boxes that trust the key substitute instead of building.
+    --flake must name the flake the boxes build with, at the same revision."""
+    from prepare import config
+    from prepare import progress as progress_mod
+    from prepare.publish import PublishSpec
+    from prepare.publish import publish as run_publish
+
+    notes: list[str] = []
+    start = time.monotonic()
+    name = f"{NAME} publish"
+    try:
+        # The same flags, checks and environment defaults as prepare's.
+        shared = config.resolve({}, _flags(PUBLISH_SHARED, given), os.environ, table=PUBLISH_SHARED)
+    except Fail as fail:
+        raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
+    spec = PublishSpec(
+        source=source,
+        bin=bin_,
+        variants=tuple(variants or ()),
+        to=to,
+        signing_key=signing_key,
+        cwd=cwd,
+        build=build,
+        args=tuple(args or ()),
+        flake=shared.flake,
+        state_dir=shared.state_dir,
+        build_timeout_s=shared.build_timeout_s,
+        commit=commit or push,
+        push=push,
+    )
+    try:
+        done = run_publish(spec, notes, progress_mod.renderer(sys.stderr, prefix=name))
+    except Fail as fail:
+        raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
+    if as_json:
+        print(json.dumps({**done.to_json(), "notes": notes}))
+        raise typer.Exit(EXIT_OK)
+    print_notes(name, notes)
+    err = sys.stderr
+    print(f"{name}: run {done.run_id} published in {time.monotonic() - start:.2f}s", file=err)
+    rows = [("source", os.path.abspath(source) + (f" (git {done.rev[:12]})" if done.rev else ""))]
+    rows += [("to", done.to)]
+    rows += [(label, f"{out.bin}  (libtorch {out.libtorch})") for label, out in done.outputs.items()]
+    rows += [("manifest", done.manifest + (f" (commit {done.commit[:12]})" if done.commit else ""))]
+    if done.next_step:
+        rows.append(("next", done.next_step))
+    for key, value in rows:
+        print(f"  {key:<9} {value}", file=err)
+    raise typer.Exit(EXIT_OK)
+
+
 app = make_app()
 
 
-def main() -> None:
+def main(args: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        app(prog_name=NAME, standalone_mode=True)
+        app(args=args, prog_name=NAME, standalone_mode=True)
     except KeyboardInterrupt:
         print(f"{NAME}: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def publish_main() -> None:
+    """`fdl-prepare-publish ARGS` is `fdl-prepare publish ARGS`: a flake app
+    is one program, and `nix run .#publish -- ARGS` runs this one."""
+    main(["publish", *sys.argv[1:]])

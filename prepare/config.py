@@ -48,7 +48,6 @@ from prepare.fields import (
     RULES,
     SECONDS,
     STRING,
-    STRINGS,
     TABLE,
     Env,
     Field,
@@ -320,7 +319,7 @@ def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
         problem = f.kind.check(value)
         if problem:
             # No TOML spelling hints for a value that came from code.
-            problems.append(f"PrepareSpec.{f.spec} = {show(value)}: {problem}")
+            problems.append(f"PrepareSpec.{f.spec} = {f.kind.show(value)}: {problem}")
     if problems:
         raise permanent(_problems_message("PrepareSpec", problems))
     spec = _normalised(spec, table)
@@ -430,7 +429,9 @@ def _validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool
                 continue
             problem = f.kind.check(value)
             if problem:
-                problem_at(line, f"{full}{_at(line)} = {show(value)}: {problem}{_hint(f.kind, key, value, flags)}")
+                problem_at(
+                    line, f"{full}{_at(line)} = {f.kind.show(value)}: {problem}{_hint(f.kind, key, value, flags)}"
+                )
     return [text for _, text in sorted(found, key=lambda item: item[0])]
 
 
@@ -439,8 +440,8 @@ def _hint(kind: Kind, key: str, value: Any, flags: bool) -> str:
         return ""
     if kind.check is STRING.check and isinstance(value, (int, float)) and not isinstance(value, bool):
         return f'; quote it: {key} = "{value}"'
-    if kind is STRINGS and isinstance(value, str):
-        return f"; write it as a list: {key} = [{show(value)}]"
+    if kind.flag_type is list and isinstance(value, str):
+        return f"; write it as a list: {key} = {kind.show([value])}"
     if isinstance(value, str) and kind.example is not None:
         how = "as a list" if kind is DEVICES else "without quotes"
         return f"; write it {how}: {key} = {_unquoted(kind, value) or kind.example}"

@@ -19,8 +19,11 @@ it must stay as cheap as the CLI's own imports.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, time
@@ -34,6 +37,11 @@ STATE_ENV = "STATE_DIRECTORY"
 
 # A problem with one value, or None when it is fine.
 Checker = Callable[[Any], "str | None"]
+
+# ed25519, as Nix's signing keys are: the public half, and the secret key
+# (seed and public half) that must never reach a config or a message.
+_PUBLIC_KEY_BYTES = 32
+_SECRET_KEY_BYTES = 64
 
 
 # -- describing values, for messages ----------------------------------------------------------
@@ -140,6 +148,71 @@ def _strings(value: Any) -> str | None:
     return None
 
 
+# A store URL as Nix takes one for `substituters`: `scheme://...`, or an
+# absolute path (a local store directory).
+_STORE_URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+|/\S*")
+
+
+def store_urls(value: Any) -> str | None:
+    if not isinstance(value, (list, tuple)):
+        return f'expected an array of store URLs such as ["https://cache.example.org"], got {kind_of(value)}'
+    for item in value:
+        if not isinstance(item, str):
+            return f"expected an array of store URLs, but {show(item)} is {kind_of(item)}"
+        # Nix splits the setting on whitespace: one URL with a space would
+        # reach it as two, neither of them the cache meant.
+        if not _STORE_URL.fullmatch(item.strip()):
+            return (
+                f"{show(item)} is not a store URL: write one URL per item, with its scheme and no spaces "
+                "(https://host/path, s3://bucket, ssh-ng://user@host, file:///abs/dir)"
+            )
+    return None
+
+
+def _public_key(item: str) -> tuple[str, int | None]:
+    """A `name:base64` key's name and decoded length (None: not base64)."""
+    name, _, data = item.strip().partition(":")
+    try:
+        return name, len(base64.b64decode(data, validate=True))
+    except (ValueError, binascii.Error):
+        return name, None
+
+
+def _public_keys(value: Any) -> str | None:
+    if not isinstance(value, (list, tuple)):
+        return f'expected an array of keys such as ["cache.example.org-1:<base64>"], got {kind_of(value)}'
+    for item in value:
+        if not isinstance(item, str):
+            return f"expected an array of public keys, but {show(item)} is {kind_of(item)}"
+        name, size = _public_key(item)
+        if size == _SECRET_KEY_BYTES:
+            # Said without the value: this is the signing key itself.
+            return (
+                f"the key named {name!r} is a SECRET signing key, not a public one: remove it from the config, "
+                "treat it as leaked (make a new key pair and publish again), and list the public half here "
+                "(`nix key convert-secret-to-public < SECRET_FILE`)"
+            )
+        if not name or any(c.isspace() for c in item.strip()) or size != _PUBLIC_KEY_BYTES:
+            return (
+                f"{show(item)} is not a public key: expected name:base64 of an ed25519 key, as "
+                "`nix key convert-secret-to-public < SECRET_FILE` prints it"
+            )
+    return None
+
+
+def _show_keys(value: Any) -> str:
+    """A key list for a message, with any secret key left out."""
+    if isinstance(value, (list, tuple)):
+        shown = [
+            f"<secret key {_public_key(v)[0]!r}, not shown>"
+            if isinstance(v, str) and _public_key(v)[1] == _SECRET_KEY_BYTES
+            else show(v)
+            for v in value
+        ]
+        return "[" + ", ".join(shown) + "]"
+    return show(value)
+
+
 def parse_devices(text: str, field: str = "--devices") -> list[int]:
     """`0,1` -> [0, 1], for a flag or an environment variable. Bad input is a
     permanent Fail naming `field`."""
@@ -181,6 +254,8 @@ class Kind:
     # Into the type the spec declares, in its normal form. Both the config and
     # check_spec apply it, so a value reaches the steps the same either way.
     to_spec: Callable[[Any], Any] = _same
+    # How a bad value is quoted in a message (a key list hides a secret key).
+    show: Callable[[Any], str] = show
 
 
 STRING = Kind("string", _string, str)
@@ -192,6 +267,21 @@ PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
 DEVICES = Kind("devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple)
 STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
+
+
+def _stripped_all(value: Any) -> Any:
+    return tuple(v.strip() for v in value)
+
+
+STORE_URLS = Kind("store URLs", store_urls, list, example='["https://cache.example.org"]', to_spec=_stripped_all)
+PUBLIC_KEYS = Kind(
+    "public keys",
+    _public_keys,
+    list,
+    example='["cache.example.org-1:<base64>"]',
+    to_spec=_stripped_all,
+    show=_show_keys,
+)
 
 
 # -- fields --------------------------------------------------------------------------------------
@@ -423,6 +513,28 @@ FIELDS: tuple[Field, ...] = (
         default=(),
         nix="nullOr (listOf str)",
         help="ssh -o option, repeatable; replaces the file's list. These come first, so they win.",
+    ),
+    # What a publish pushed (`fdl-prepare publish --to`) is substituted from
+    # these instead of built; both are added to nix.conf's own lists.
+    Field(
+        key="nix.substituters",
+        flag="--substituter",
+        spec="nix.substituters",
+        kind=STORE_URLS,
+        metavar="URL",
+        default=(),
+        nix="nullOr (listOf str)",
+        help="Binary cache to substitute builds from (a store URL), repeatable; replaces the file's list.",
+    ),
+    Field(
+        key="nix.trusted_public_keys",
+        flag="--trusted-public-key",
+        spec="nix.trusted_public_keys",
+        kind=PUBLIC_KEYS,
+        metavar="KEY",
+        default=(),
+        nix="nullOr (listOf str)",
+        help="Public key (name:base64) cached paths must be signed with, repeatable; replaces the file's list.",
     ),
 )
 

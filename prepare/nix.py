@@ -12,6 +12,9 @@ Every call goes through `Nix`, which holds the flags every call shares:
   from GitHub, and a box without internet waits on it.
 - `accept-flake-config = false`, and never impure evaluation: a flake must not change
   substituters or read the environment behind the operator's back.
+- the box's own binary caches and keys (`[join.nix]`), added to nix.conf's,
+  with signatures required (`prepare.caches`); a daemon that drops them
+  stops the attempt (permanent), whichever call it answered.
 - `--no-write-lock-file`: the flake may live in a read-only store path, and a
   prepare must not edit the operator's checkout.
 - `--no-eval-cache` on eval and build: Nix 2.8 caches a *failed* evaluation of
@@ -34,9 +37,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prepare import proc
+from prepare import caches, proc
 from prepare.fail import Fail, permanent, transient
-from prepare.nix_diagnosis import BUILD, EVALUATION, FETCH, explain
+from prepare.nix_diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix_log import Log, strip_ansi
 
 if TYPE_CHECKING:
@@ -102,7 +105,8 @@ class Outcome:
 
 class Nix:
     """The one place `nix` argv is built. `state_dir` holds the empty flake
-    registry; `env` replaces the environment (tests set NIX_CONFIG)."""
+    registry; `env` replaces the environment (tests set NIX_CONFIG);
+    `substituters` and `trusted_public_keys` are the box's binary caches."""
 
     def __init__(
         self,
@@ -111,18 +115,23 @@ class Nix:
         program: str = "nix",
         env: Mapping[str, str] | None = None,
         on_event: Progress | None = None,
+        substituters: Sequence[str] = (),
+        trusted_public_keys: Sequence[str] = (),
     ) -> None:
         self.state_dir = state_dir
         self.program = program
         self.env = dict(env) if env is not None else None
         self.on_event = on_event
         self.registry = os.path.join(state_dir, "flake-registry.json")
+        self.substituters = tuple(substituters)
+        self.trusted_public_keys = tuple(trusted_public_keys)
 
     # -- flags -------------------------------------------------------------
     def _common(self) -> list[str]:
         argv = [self.program, "--extra-experimental-features", FEATURES, "--log-format", "internal-json"]
         argv += ["--option", "flake-registry", self.registry]
         argv += ["--option", "accept-flake-config", "false"]
+        argv += caches.options(self.substituters, self.trusted_public_keys)
         return argv
 
     def _ensure_registry(self) -> None:
@@ -282,6 +291,21 @@ class Nix:
             ) from None
         return results, outcome.log
 
+    def sign(self, paths: Sequence[str], key_file: str, *, doing: str, timeout: float = EVAL_TIMEOUT_S) -> Log:
+        """`nix store sign --key-file` over the closure of `paths`, in the
+        local store. The key travels as a file name only: it is never on a
+        command line, in the environment or in a message."""
+        argv = self._common() + ["store", "sign", "--key-file", key_file, "--recursive", *paths]
+        return self._call(argv, timeout, doing, SIGN).log
+
+    def copy(self, paths: Sequence[str], to: str, *, doing: str, timeout: float = FETCH_TIMEOUT_S) -> Log:
+        """`nix copy --to` of `paths` and their closure. `--no-check-sigs`:
+        the paths carry the publisher's signatures, which the boxes check;
+        the cache is a relay whose own nix.conf need not know the key (a
+        binary cache checks nothing anyway; an ssh-ng store would refuse)."""
+        argv = self._common() + ["copy", "--no-check-sigs", "--to", to, *paths]
+        return self._call(argv, timeout, doing, COPY).log
+
     def _call(
         self,
         argv: list[str],
@@ -304,6 +328,12 @@ class Nix:
                 + "the next attempt retries"
             ) from None
         outcome = Outcome(completed, log)
+        # Before the call's own outcome: a daemon that dropped the box's
+        # caches answers the call anyway, and every build would then happen
+        # here instead of being substituted.
+        dropped = caches.untrusted(log, self.substituters)
+        if dropped is not None:
+            raise dropped
         if not outcome.ok:
             raise explain(phase, log, completed.returncode, doing, fix=fix, source_path=source_path)
         return outcome

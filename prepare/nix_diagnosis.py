@@ -24,6 +24,10 @@ from prepare.nix_log import Activity, Log
 EVALUATION = "evaluation"
 FETCH = "fetch"
 BUILD = "build"
+# A publish's own steps: signing its outputs in the local store, copying
+# them to a cache.
+SIGN = "sign"
+COPY = "copy"
 
 # Compiled on first use: they only matter once a call has failed, and
 # compiling them at import would cost every warm run ~10 ms.
@@ -76,6 +80,14 @@ _BAD_URL = (
     r"getting status of '[^']*/[a-z][a-z0-9+.-]*:[^']*': no such file or directory"
 )
 _TIMEOUT = r"timed out after \d+ seconds"
+# A cache that says no, or a URL that names no store Nix can write: no retry
+# changes either. 2.8 and 2.26 word these alike.
+_CACHE_REFUSED = (
+    r"don't know how to open nix store|does not appear to be a binary cache|unsupported store|"
+    r"permission denied|read-only file system|operation not permitted|lacks a valid signature|"
+    r"not privileged|is not allowed|HTTP error 40[13]|access denied|host key verification failed|"
+    r"permission denied \(publickey"
+)
 _BUILDER = (
     r"builder for .* failed|build of .* failed|dependencies couldn't be built|"
     r"dependencies of derivation .* failed to build|cannot build|builder failed"
@@ -98,7 +110,7 @@ def _pattern(source: str) -> re.Pattern[str]:
 @dataclass(frozen=True)
 class Diagnosis:
     # hash-mismatch, no-space, build-users, daemon-refused, store-permission, build-dir, daemon, timeout,
-    # builder, flake-builder, bad-url, fetch, evaluation, unknown
+    # builder, flake-builder, bad-url, fetch, evaluation, unknown; a publish's: signing, cache-refused, cache
     category: str
     permanent: bool
     detail: str
@@ -140,6 +152,8 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
         return Diagnosis("build-users", True, detail)
     if _pattern(_DAEMON_REFUSED).search(text):
         return Diagnosis("daemon-refused", True, detail)
+    if phase in (SIGN, COPY) and not _pattern(_DAEMON).search(text):
+        return _publish_step(phase, text, detail)
     if _store_permission(text):
         return Diagnosis("store-permission", True, detail)
     if _pattern(_BUILD_DIR).search(text) or _pattern(_BUILD_DIR).search(_build_logs(log)):
@@ -163,6 +177,18 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
     if phase == BUILD and log.builds():
         return Diagnosis("builder", False, detail)
     return Diagnosis("evaluation", True, detail)
+
+
+def _publish_step(phase: str, text: str, detail: str) -> Diagnosis:
+    """A publish's signing (always the key or the store's rules, so
+    permanent) or copy (a refusal is permanent; anything else, the cache's
+    server or the network, transient: publishing again copies what is
+    missing)."""
+    if phase == SIGN:
+        return Diagnosis("signing", True, detail)
+    if _pattern(_CACHE_REFUSED).search(text):
+        return Diagnosis("cache-refused", True, detail)
+    return Diagnosis("cache", False, detail)
 
 
 _FIXES = {
@@ -198,6 +224,14 @@ _FIXES = {
     "fetch": "check the network, the URL and its ref; the next attempt retries",
     "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
     "unknown": "the next attempt retries",
+    "signing": "check that --signing-key names a Nix secret key file (`nix key generate-secret --key-name NAME "
+    "> FILE`; the boxes trust its public half), and that this user may add signatures to the store (root, or "
+    "one of the daemon's trusted-users)",
+    "cache-refused": "the cache refused the copy, or --to names no store Nix can write: check the URL "
+    "(file:///dir, s3://bucket, ssh-ng://user@host, ...) and that this user may write there; publishing "
+    "again copies everything",
+    "cache": "the cache could not be reached or the copy broke off: check its server and the network; "
+    "publishing again copies only what is missing",
 }
 
 
@@ -247,12 +281,19 @@ def explain(
     return failure(diagnosis, doing, fix=fix, extra=extra)
 
 
+# The store name of the training source as the training derivation gets it:
+# the fetched tree without its run manifest (nix/contract.nix), copied at
+# evaluation, so its store path is not the fetched one.
+TRAINING_SOURCE_NAME = "fdl-training-source"
+
+
 def _builds_from(act: Activity | None, source_path: str | None) -> bool:
     """Whether the failed build is the training source's: its derivation
-    names the fetched source tree (as `src`, or through a vendoring step that
-    reads it). Anything else that failed (libtorch, the flake's toolchain)
-    is the flake's. When that cannot be told, the training build is blamed,
-    as before the distinction existed: it is the one that changes."""
+    names the fetched source tree, or the contract's copy of it without the
+    manifest (as `src`, or through a vendoring step that reads it). Anything
+    else that failed (libtorch, the flake's toolchain) is the flake's. When
+    that cannot be told, the training build is blamed, as before the
+    distinction existed: it is the one that changes."""
     if source_path is None:
         return False
     drv = act.fields[0] if act is not None and act.fields else None
@@ -260,6 +301,7 @@ def _builds_from(act: Activity | None, source_path: str | None) -> bool:
         return True
     try:
         with open(drv, "rb") as handle:
-            return source_path.encode() in handle.read()
+            text = handle.read()
     except OSError:
         return True
+    return source_path.encode() in text or f"-{TRAINING_SOURCE_NAME}".encode() in text

@@ -34,6 +34,7 @@ ACT_SUBSTITUTE = 108
 RES_BUILD_LOG_LINE = 101
 RES_SET_PHASE = 104
 RES_PROGRESS = 105
+RES_SET_EXPECTED = 106
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -101,6 +102,9 @@ class Log:
         # interrupt bumps neither) while it happens.
         self.builds_done = 0
         self.builds_failed = 0
+        # What Nix announced it will move, by activity type: the NAR bytes
+        # substitutions copy (ACT_COPY_PATH), whatever the cache's protocol.
+        self.expected: dict[int, int] = {}
         self._done_seen = 0
         self._failed_seen = 0
 
@@ -132,9 +136,13 @@ class Log:
         elif action == "msg":
             level = record.get("level", 3)
             text = strip_ansi(str(record.get("msg", ""))).strip()
-            if level == 0 and text and not text.startswith("(use '--show-trace'"):
+            # A daemon's warnings reach its client at error level (the client
+            # prints what the daemon sends as an error, 2.8 and 2.26 alike),
+            # and "disabling binary cache" is printed as one: they say so.
+            daemon_warning = text.startswith("warning:") or text.startswith("disabling binary cache")
+            if level == 0 and text and not text.startswith("(use '--show-trace'") and not daemon_warning:
                 self.errors.append(text)
-            elif level == 1 and text:
+            elif level <= 1 and text:
                 self.warnings.append(text)
 
     def _start(self, record: dict[str, Any]) -> None:
@@ -194,6 +202,10 @@ class Log:
         elif kind == RES_PROGRESS and len(fields) >= 2 and act.type == ACT_FILE_TRANSFER:
             act.done, act.expected = int(fields[0]), int(fields[1])
             self._emit("download-progress", act, done=act.done, expected=act.expected)
+        elif kind == RES_PROGRESS and len(fields) >= 2 and act.type == ACT_COPY_PATH:
+            act.done, act.expected = int(fields[0]), int(fields[1])
+        elif kind == RES_SET_EXPECTED and len(fields) >= 2:
+            self.expected[int(fields[0])] = int(fields[1])
 
     def _emit(self, kind: str, act: Activity, **fields: Any) -> None:
         """A progress event (prepare.progress lists them) about `act`."""
@@ -211,6 +223,11 @@ class Log:
 
     def substitutions(self) -> list[Activity]:
         return [a for a in self.activities.values() if a.type == ACT_SUBSTITUTE]
+
+    def copies(self) -> list[Activity]:
+        """Paths copied between stores: a substitution's NAR coming in (its
+        fields: path, from, to)."""
+        return [a for a in self.activities.values() if a.type == ACT_COPY_PATH]
 
     @property
     def bytes_downloaded(self) -> int:

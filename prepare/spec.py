@@ -47,6 +47,20 @@ class SourceSpec:
 
 
 @dataclass(frozen=True)
+class NixSpec:
+    """The box's binary caches (`[join.nix]`): what a publish pushed there is
+    substituted instead of built. Passed to every nix call as options, never
+    taken from a flake's nixConfig: what a box trusts is the box's own word,
+    never something it fetched."""
+
+    # Store URLs added to the box's own substituters (nix.conf's stay).
+    substituters: tuple[str, ...] = ()
+    # `name:base64` public keys; a path from a cache is accepted only when
+    # signed by one of these (or one in nix.conf).
+    trusted_public_keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Origin:
     """Where a resolved value came from, as messages name it: a flag
     (`--state-dir`), a key of the config file (`join.state_dir`), an
@@ -72,6 +86,7 @@ class PrepareSpec:
     data: DataSpec = field(default_factory=DataSpec)
     ssh: SshSpec = field(default_factory=SshSpec)
     source: SourceSpec | None = None
+    nix: NixSpec = field(default_factory=NixSpec)
     # "auto", a variant label the flake provides ("cpu", "cu128", ...), or None
     # for no libtorch at all.
     libtorch: str | None = None

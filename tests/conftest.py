@@ -5,6 +5,7 @@ pytest_plugins: list[str] = ["mount_fixtures", "sshd_fixtures", "nvml_fixtures"]
 pytest_plugins.append("module_fixtures")
 pytest_plugins.append("nix_fixtures")
 pytest_plugins.append("amd_fixtures")
+pytest_plugins.append("fleet_fixtures")
 
 
 def pytest_sessionfinish(session: object, exitstatus: int) -> None:

@@ -329,6 +329,16 @@ WRONG_TYPES = [
     ("join.ssh", "options", '"BatchMode=yes"', ["expected an array of strings", 'options = ["BatchMode=yes"]']),
     ("join.ssh", "options", "[15]", ["15 is an integer"]),
     ("join.ssh", "options", '[""]', ["non-empty"]),
+    (
+        "join.nix",
+        "substituters",
+        '"https://cache.example.org"',
+        ["expected an array of store URLs", 'substituters = ["https://cache.example.org"]'],
+    ),
+    ("join.nix", "substituters", '["cache.example.org"]', ['"cache.example.org" is not a store URL', "scheme"]),
+    ("join.nix", "substituters", '["http://a http://b"]', ["one URL per item", "no spaces"]),
+    ("join.nix", "trusted_public_keys", "[1]", ["1 is an integer"]),
+    ("join.nix", "trusted_public_keys", '["cache-1:bm90IGEga2V5"]', ["is not a public key", "name:base64"]),
 ]
 
 

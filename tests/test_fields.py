@@ -65,7 +65,7 @@ def test_a_table_where_two_fields_share_a_name_is_refused(attr):
 
 
 def test_the_sub_tables_are_those_the_keys_name_in_file_order():
-    assert TABLE.subtables == ["source", "ssh"]
+    assert TABLE.subtables == ["source", "ssh", "nix"]
     assert list(TABLE.tables["ssh"]) == ["target", "port", "user", "identity_file", "options"]
 
 
@@ -204,6 +204,11 @@ FLAG_SAMPLES = {
     "seconds": (["2.5"], 2.5),
     "devices": (["0, 2"], [0, 2]),
     "strings": (["A=1"], ["A=1"]),
+    "store URLs": (["http://127.0.0.1:8080"], ["http://127.0.0.1:8080"]),
+    "public keys": (
+        ["cache-1:nTCg+w7fzWq/2GnSQsukdCOyvv3lZ8Sr6Hu7I5UqB7E="],
+        ["cache-1:nTCg+w7fzWq/2GnSQsukdCOyvv3lZ8Sr6Hu7I5UqB7E="],
+    ),
 }
 
 

@@ -275,6 +275,36 @@ def test_a_second_build_with_nothing_changed_builds_nothing(env, test_flake, tmp
     assert started == []
 
 
+def _training_drv(env: dict[str, str], flake: str, tree: Path, recipe: str) -> str:
+    done = nix_json(env, "eval", f"{flake}#{FDL}.training.drvPath", *overrides(prefetch(env, tree), recipe))
+    assert isinstance(done, str)
+    return done
+
+
+def test_the_run_manifest_is_not_an_input_of_the_training_build(env, test_flake, tmp_path):
+    # A publish builds, pushes, and writes .fdl-run.toml last: the boxes must
+    # evaluate the very derivation that was pushed, manifest or not.
+    tree = tmp_path / "source"
+    tree.mkdir()
+    (tree / "README").write_text("a training source\n")
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", bin="train", build="true")
+
+    bare = _training_drv(env, test_flake, tree, recipe)
+    (tree / ".fdl-run.toml").write_text('bin = "train"\nrun = "one"\nbuilt = true\n')
+    added = _training_drv(env, test_flake, tree, recipe)
+    (tree / ".fdl-run.toml").write_text('bin = "train"\nrun = "two"\nbuilt = true\npublished_epoch = 2\n')
+    changed = _training_drv(env, test_flake, tree, recipe)
+    (tree / "README").write_text("a training source, edited\n")
+    edited = _training_drv(env, test_flake, tree, recipe)
+    (tree / "sub").mkdir()
+    (tree / "sub" / ".fdl-run.toml").write_text("the source's own file of that name\n")
+    nested = _training_drv(env, test_flake, tree, recipe)
+
+    assert bare == added == changed
+    # Only the root's manifest is left out: the rest of the tree still counts.
+    assert len({changed, edited, nested}) == 3
+
+
 def test_a_build_line_that_exits_3_fails_the_build_with_exit_code_3(env, test_flake, tmp_path):
     source = tmp_path / "source"
     source.mkdir()
@@ -525,6 +555,27 @@ def test_the_production_training_build_gets_libtorch_out_and_dev(env, production
     assert (training["pname"], training["version"], training["doCheck"]) == ("trainer-cu128", "0.3.1", False)
 
 
+def test_the_production_training_build_does_not_see_the_run_manifest(env, production, nixpkgs, tmp_path):
+    crate = tmp_path / "source"
+    crate.mkdir()
+    (crate / "Cargo.toml").write_text('[package]\nname = "trainer"\nversion = "0.3.1"\n')
+    (crate / "Cargo.lock").write_text("version = 3\n")
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", bin="train")
+
+    def src() -> str:
+        common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, crate), recipe)]
+        got = nix_json(env, "eval", f"{production}#{FDL}.training.src", *common)
+        assert isinstance(got, str)
+        return got
+
+    bare = src()
+    (crate / ".fdl-run.toml").write_text('bin = "train"\nrun = "one"\n')
+    with_manifest = src()
+
+    assert bare == with_manifest
+    assert not (Path(with_manifest) / ".fdl-run.toml").exists() and (Path(with_manifest) / "Cargo.toml").exists()
+
+
 def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, production, nixpkgs):
     common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
 
@@ -537,6 +588,7 @@ def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, produ
         *common,
     )
     program = nix_json(env, "eval", f"{production}#apps.{SYSTEM}.prepare.program", *common)
+    publish = nix_json(env, "eval", f"{production}#apps.{SYSTEM}.publish", *common)
 
     args = app["makeWrapperArgs"]
     prefix = args[args.index("--prefix") + 3]
@@ -548,6 +600,10 @@ def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, produ
     assert [p.split("-", 1)[1] for p in suffix.split(":")] == ["nix/bin", "fuse3/bin", "fuse/bin"]
     assert app["version"] == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert program.endswith("-fdl-prepare/bin/fdl-prepare")
+    # `nix run .#publish` runs the package's publish script, the same CLI's subcommand.
+    assert publish["type"] == "app" and publish["program"].endswith("-fdl-prepare/bin/fdl-prepare-publish")
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["fdl-prepare-publish"] == "prepare.cli:publish_main"
 
 
 def test_the_flake_checks_run_the_gates_and_the_formatter_is_nixfmt(env, production, nixpkgs):

@@ -277,11 +277,29 @@ def test_the_rendered_settings_load_through_the_clis_config_loader(evaluate_modu
     assert spec.build_timeout_s == 3600.0
 
 
+def test_a_boxs_caches_and_keys_reach_the_config_as_the_join_nix_table(evaluate_module):
+    key = "fleet-1:nTCg+w7fzWq/2GnSQsukdCOyvv3lZ8Sr6Hu7I5UqB7E="
+    unit = evaluate_module(
+        host(
+            f"""
+            settings.join.nix = {{
+              substituters = [ "https://cache.example.org" ];
+              trusted_public_keys = [ "{key}" ];
+            }};
+            """
+        )
+    )
+    table = prepare_config.load(unit.config_path)
+    assert table["nix"] == {"substituters": ["https://cache.example.org"], "trusted_public_keys": [key]}
+    spec = prepare_config.resolve(table, {}, {})
+    assert spec.nix.substituters == ("https://cache.example.org",) and spec.nix.trusted_public_keys == (key,)
+
+
 def test_unset_options_are_left_out_of_the_file(evaluate_module):
     unit = evaluate_module(host("flake = null;"))
     text = unit.config_path.read_text()
     assert tomllib.loads(text) == {"join": {"cpu_only": False}}
-    assert "[join.ssh]" not in text and "[join.source]" not in text
+    assert "[join.ssh]" not in text and "[join.source]" not in text and "[join.nix]" not in text
     assert prepare_config.load(unit.config_path) == {"cpu_only": False}
 
 

@@ -1,0 +1,443 @@
+"""Build once, substitute everywhere: `fdl-prepare publish` on node A (this
+machine's store) fills a signed binary cache, and node B (a box with an
+empty store of its own, tests/fleet_fixtures.py) prepares from it.
+
+Everything is real and on loopback: Nix 2.8 or later on both nodes, the
+cache a directory served over HTTP on 127.0.0.1 (or an ssh-ng store behind
+the tests' sshd), the training source a git repository or a directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from console import console_script
+from fleet_fixtures import built, substituted
+from nix_fixtures import NIX_CONFIG, nix_as, procs_with, trainer
+
+from prepare import nix as nix_mod
+from prepare.build import build
+from prepare.fail import Fail
+from prepare.nix import Nix
+from prepare.publish import PublishSpec, publish
+from prepare.spec import NixSpec, PrepareSpec, SourceSpec
+
+pytestmark = pytest.mark.nix
+
+BUILD = "printf '#!/bin/sh\\necho trained on $FDL_LIBTORCH_VARIANT \"$@\"\\n' > train && chmod +x train"
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "fdl tests",
+    "GIT_AUTHOR_EMAIL": "tests@fdl.invalid",
+    "GIT_COMMITTER_NAME": "fdl tests",
+    "GIT_COMMITTER_EMAIL": "tests@fdl.invalid",
+}
+
+
+@pytest.fixture(autouse=True)
+def _git_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in GIT_IDENTITY.items():
+        monkeypatch.setenv(name, value)
+
+
+def publish_spec(source: Path, flake: str, to: str, key: Path, tmp_path: Path, **kw: object) -> PublishSpec:
+    values: dict[str, object] = {
+        "source": str(source),
+        "bin": "train",
+        "build": BUILD,
+        "args": ("--epochs", "3"),
+        "variants": ("cpu",),
+        "to": to,
+        "signing_key": str(key),
+        "flake": flake,
+        "state_dir": str(tmp_path / "publish-state"),
+        **kw,
+    }
+    return PublishSpec(**values)  # type: ignore[arg-type]
+
+
+def box(source: str, flake: str, state: Path, caches: tuple[str, ...] = (), keys: tuple[str, ...] = ()) -> PrepareSpec:
+    """A CPU box that names no binary itself: what it builds is the publish's."""
+    return PrepareSpec(
+        source=SourceSpec(from_=source),
+        nix=NixSpec(substituters=caches, trusted_public_keys=keys),
+        libtorch="cpu",
+        cpu_only=True,
+        flake=flake,
+        state_dir=str(state),
+    )
+
+
+def nonce() -> str:
+    return str(time.time_ns())
+
+
+def published_source(git_source):  # type: ignore[no-untyped-def]
+    """A git training source with no manifest yet (a fresh nonce: its own derivations)."""
+    return git_source(trainer(manifest={}, nonce=nonce()))
+
+
+# -- node B substitutes what node A published -----------------------------------------------------
+
+
+def test_a_box_substitutes_everything_a_publish_pushed_and_builds_nothing(
+    test_flake, git_source, binary_cache, signing_key, node_b, tmp_path
+):
+    src = published_source(git_source)
+    cache = binary_cache()
+    key = signing_key("fleet-test-1")
+    notes: list[str] = []
+    done = publish(publish_spec(src.path, test_flake, cache.file_url, key.secret, tmp_path, commit=True), notes)
+    b = node_b()
+
+    result = b.prepare(box(src.url, test_flake, b.root / "state", (cache.url,), (key.public,)))
+
+    assert "prepared" in result, result
+    assert built(result) == []
+    assert sorted(substituted(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
+    prepared = result["prepared"]
+    assert prepared["bin"]["path"] == done.outputs["cpu"].bin
+    assert prepared["libtorch"]["path"] == done.outputs["cpu"].libtorch
+    assert prepared["run_id"] == done.run_id and prepared["args"] == ["--epochs", "3"]
+    said = "\n".join(result["notes"])
+    assert f"binary cache {cache.url}: substituted 2 paths" in said and "downloaded" in said
+    assert "built here: 0 derivations" in said
+    # The binary B got is the one A built: it runs on B's store.
+    assert (b.store / Path(prepared["bin"]["path"]).relative_to("/nix/store")).exists()
+    # The manifest is committed alone, on the commit that was built.
+    files = subprocess.run(
+        ["git", "-C", str(src.path), "show", "--name-only", "--format=", "HEAD"], capture_output=True, text=True
+    )
+    assert files.stdout.split() == [".fdl-run.toml"] and done.commit is not None and done.rev is not None
+    assert any(f"variant cpu: built, signed and copied to {cache.file_url}" in n for n in notes)
+
+
+def test_a_cache_signed_with_a_key_the_box_does_not_trust_is_refused_and_the_box_builds_and_says_why(
+    test_flake, git_source, binary_cache, signing_key, node_b, tmp_path
+):
+    src = published_source(git_source)
+    cache = binary_cache()
+    publisher, stranger = signing_key("fleet-test-1"), signing_key("someone-else-1")
+    done = publish(publish_spec(src.path, test_flake, cache.file_url, publisher.secret, tmp_path, commit=True), [])
+    b = node_b()
+
+    result = b.prepare(box(src.url, test_flake, b.root / "state", (cache.url,), (stranger.public,)))
+
+    assert "prepared" in result, result
+    assert substituted(result) == []
+    assert sorted(built(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
+    said = "\n".join(result["notes"])
+    assert f"binary cache {cache.url} offered" in said and "signed by no trusted key: refused" in said
+    assert "built here instead" in said and "trusted_public_keys (--trusted-public-key)" in said
+    # Built here, from the same derivation: the same store path.
+    assert result["prepared"]["bin"]["path"] == done.outputs["cpu"].bin
+
+
+def test_a_stopped_cache_server_falls_back_to_building_here_with_a_note(
+    test_flake, git_source, binary_cache, signing_key, node_b, tmp_path
+):
+    src = published_source(git_source)
+    cache = binary_cache()
+    key = signing_key("fleet-test-1")
+    publish(publish_spec(src.path, test_flake, cache.file_url, key.secret, tmp_path, commit=True), [])
+    url = cache.url
+    cache.stop()
+    b = node_b()
+
+    result = b.prepare(box(src.url, test_flake, b.root / "state", (url,), (key.public,)))
+
+    assert "prepared" in result, result
+    assert substituted(result) == [] and "fdl-test-training-cpu" in built(result)
+    said = "\n".join(result["notes"])
+    assert f"binary cache {url} could not be reached" in said and "built here instead" in said
+
+
+def test_an_ssh_ng_store_is_a_cache_for_publish_and_box_alike(
+    test_flake, git_source, signing_key, node_b, sshd, tmp_path, monkeypatch
+):
+    # The store behind ssh is a directory on the far side (remote-store);
+    # ssh reaches it through a config file naming the tests' sshd, its key
+    # and its host key (NIX_SSHOPTS is how Nix is given ssh options).
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        "Host fdl-cache\n  HostName 127.0.0.1\n"
+        f"  Port {sshd.port}\n  User {sshd.user}\n  IdentityFile {sshd.user_key}\n  IdentitiesOnly yes\n"
+        f"  UserKnownHostsFile {sshd.known_hosts}\n  StrictHostKeyChecking yes\n  BatchMode yes\n"
+    )
+    monkeypatch.setenv("NIX_SSHOPTS", f"-F {config}")
+    store = tmp_path / "ssh-store"
+    to = f"ssh-ng://fdl-cache?remote-store={store}"
+    src = published_source(git_source)
+    key = signing_key("fleet-test-1")
+    done = publish(publish_spec(src.path, test_flake, to, key.secret, tmp_path, commit=True), [])
+    b = node_b()
+    b.env["NIX_SSHOPTS"] = f"-F {config}"
+
+    result = b.prepare(box(src.url, test_flake, b.root / "state", (to,), (key.public,)))
+
+    assert "prepared" in result, result
+    assert built(result) == []
+    assert sorted(substituted(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
+    assert result["prepared"]["bin"]["path"] == done.outputs["cpu"].bin
+    assert "binary cache ssh-ng://fdl-cache: substituted 2 paths" in "\n".join(result["notes"])
+
+
+# -- the manifest is the commit point ---------------------------------------------------------------
+
+
+def _directory_source(tmp_path: Path) -> Path:
+    """A plain directory (no git) holding a manifest from an earlier publish."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "README").write_text(f"a training source {nonce()}\n")
+    (tree / ".fdl-run.toml").write_text('bin = "train"\nrun = "the-previous-run"\nbuilt = true\n')
+    return tree
+
+
+def _box_finds_nothing_published(tree: Path, flake: str, tmp_path: Path) -> None:
+    with pytest.raises(Fail) as caught:
+        build(box(f"path:{tree}", flake, tmp_path / "box-state"), None, [])
+    assert not caught.value.permanent
+    assert "nothing is published yet" in caught.value.message
+
+
+def test_a_publish_that_fails_on_its_second_variant_leaves_no_manifest_and_names_the_variant_and_step(
+    test_flake, binary_cache, signing_key, tmp_path
+):
+    tree = _directory_source(tmp_path)
+    failing = f'[ "$FDL_LIBTORCH_VARIANT" = cu128 ] && exit 3; {BUILD}'
+    spec = publish_spec(
+        tree, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path, build=failing,
+        variants=("cpu", "cu128"),
+    )  # fmt: skip
+    notes: list[str] = []
+
+    with pytest.raises(Fail) as caught:
+        publish(spec, notes)
+
+    fail = caught.value
+    assert "publish stopped at variant cu128, step build" in fail.message and "exit code 3" in fail.message
+    assert not fail.permanent  # a failed training build: the next publish may fix it
+    assert any("variant cpu: built, signed and copied" in n for n in notes)
+    assert any("removed the previous manifest (run the-previous-run)" in n for n in notes)
+    assert not (tree / ".fdl-run.toml").exists()
+    assert [p.name for p in tree.iterdir()] == ["README"]
+    _box_finds_nothing_published(tree, test_flake, tmp_path)
+
+
+def test_a_publish_stopped_by_sigterm_midway_leaves_no_manifest(test_flake, binary_cache, signing_key, tmp_path):
+    tree = _directory_source(tmp_path)
+    marker = f"fdl-publish-sigterm-{nonce()}"
+    env = {**os.environ, "NIX_CONFIG": NIX_CONFIG}
+    argv = [console_script(), "publish", str(tree), "--bin", "train", "--build", f"sleep 60 # {marker}"]
+    argv += ["--variant", "cpu", "--to", binary_cache().file_url, "--signing-key", str(signing_key("k-1").secret)]
+    argv += ["--flake", test_flake, "--state-dir", str(tmp_path / "publish-state")]
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not [p for p in procs_with(marker) if p[0] != child.pid and "sleep" in p[1]]:
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, "the build never started"
+            time.sleep(0.1)
+        child.send_signal(signal.SIGTERM)
+        _, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130, err
+    assert not (tree / ".fdl-run.toml").exists()
+    assert [p.name for p in tree.iterdir()] == ["README"]
+    deadline = time.monotonic() + 15
+    while [p for p in procs_with(marker) if "sleep" in p[1]]:
+        assert time.monotonic() < deadline, "the builder outlived the publish"
+        time.sleep(0.1)
+    _box_finds_nothing_published(tree, test_flake, tmp_path)
+
+
+def test_publish_without_a_flag_writes_the_manifest_and_says_how_to_commit_it(
+    test_flake, git_source, binary_cache, signing_key, tmp_path
+):
+    src = published_source(git_source)
+    head = subprocess.run(["git", "-C", str(src.path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    (src.path / "README").write_text("an uncommitted edit\n")
+
+    notes: list[str] = []
+    done = publish(
+        publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), notes
+    )
+
+    assert done.rev == head.strip() and done.commit is None and not done.pushed
+    assert (src.path / ".fdl-run.toml").exists()
+    assert done.next_step is not None and f"on top of {head.strip()[:12]}" in done.next_step
+    assert "-- .fdl-run.toml" in done.next_step
+    assert any("uncommitted change(s)" in n and "README" in n for n in notes)
+    after = subprocess.run(["git", "-C", str(src.path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert after == head
+
+
+def test_push_publishes_the_manifest_to_the_remote_the_boxes_fetch(
+    test_flake, git_source, git_http, binary_cache, signing_key, tmp_path
+):
+    src = published_source(git_source)
+    remote = git_http(src)
+    subprocess.run(["git", "-C", str(src.path), "remote", "add", "origin", str(remote.bare)], check=True)
+    subprocess.run(["git", "-C", str(src.path), "fetch", "-q", "origin"], check=True)
+    subprocess.run(["git", "-C", str(src.path), "branch", "-q", "--set-upstream-to", "origin/main"], check=True)
+    spec = publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path, push=True)
+
+    done = publish(spec, [])
+
+    assert done.pushed and done.commit is not None
+    remote_head = subprocess.run(
+        ["git", "-C", str(remote.bare), "rev-parse", "main"], capture_output=True, text=True
+    ).stdout.strip()
+    assert remote_head == done.commit
+
+
+def test_the_signing_key_is_never_on_a_command_line_nor_in_a_message(
+    test_flake, git_source, binary_cache, signing_key, tmp_path, monkeypatch
+):
+    key = signing_key("k-1")
+    secret = key.secret.read_text().strip()
+    seen: list[list[str]] = []
+    real = nix_mod.proc.run
+
+    def spy(argv, **kw):  # type: ignore[no-untyped-def]
+        seen.append(list(argv))
+        return real(argv, **kw)
+
+    monkeypatch.setattr(nix_mod.proc, "run", spy)
+    src = published_source(git_source)
+    notes: list[str] = []
+    # A cache nobody can write: the copy fails, after the key was used.
+    with pytest.raises(Fail) as caught:
+        publish(publish_spec(src.path, test_flake, "bogus-store://x", key.secret, tmp_path), notes)
+    assert "variant cpu, step copy" in caught.value.message and caught.value.permanent
+    signing = [a for a in seen if "sign" in a and "store" in a]
+    assert signing and all(str(key.secret) in a for a in signing)
+    everything = "\n".join(" ".join(a) for a in seen) + caught.value.message + "\n".join(notes)
+    assert secret not in everything and secret.split(":", 1)[1] not in everything
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"variants": ("auto",)}, ['--variant "auto"']),
+        ({"variants": ()}, ["no --variant given"]),
+        ({"variants": ("cpu", "cu999")}, ["--variant 'cu999': not a variant of the flake", "cpu, cu128"]),
+        ({"bin": "../escape"}, ["--bin '../escape'", "without '..'"]),
+        ({"to": "not a url"}, ["--to 'not a url'", "not a store URL"]),
+        ({"signing_key": "/nonexistent/key"}, ["--signing-key '/nonexistent/key' is not a readable file"]),
+        ({"commit": True}, ["--commit/--push need a git checkout"]),
+    ],
+)
+def test_a_publish_that_cannot_work_is_refused_before_anything_is_built(
+    change, words, test_flake, binary_cache, signing_key, tmp_path
+):
+    tree = _directory_source(tmp_path)
+    spec = replace(
+        publish_spec(tree, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), **change
+    )
+    events: list[dict] = []
+    with pytest.raises(Fail) as caught:
+        publish(spec, [], events.append)
+    assert caught.value.permanent
+    for word in words:
+        assert word in caught.value.message, caught.value.message
+    assert [e for e in events if e["type"] == "build-start"] == []
+
+
+# -- a daemon that does not trust the box's user ------------------------------------------------------
+
+
+def test_a_daemon_that_ignores_the_boxs_cache_for_an_untrusted_user_stops_preparation(nix_env, test_flake, tmp_path):
+    # A real nix-daemon and a client that is another user, not in its
+    # trusted-users (root only, the default): the daemon drops the cache the
+    # client names and says so; the build would go on without it.
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a daemon, and a client as another user)")
+    daemon = shutil.which("nix-daemon")
+    if daemon is None or shutil.which("setpriv") is None:
+        pytest.skip("nix-daemon or setpriv (util-linux) is not installed")
+    shared = Path(tempfile.mkdtemp(prefix="fdl-daemon-"))
+    proc = None
+    try:
+        shared.chmod(0o755)
+        sock = shared / "socket"
+        proc = subprocess.Popen(
+            [daemon],
+            env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "nix-daemon never opened its socket"
+            time.sleep(0.05)
+        shim = nix_as(54321, shared, "--store", f"unix://{sock}")
+        flake = shared / "flake"
+        shutil.copytree(test_flake.removeprefix("path:"), flake)
+        for path in [flake, *flake.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        state = shared / "state"
+        state.mkdir()
+        os.chown(state, 54321, 54321)
+        runner = Nix(str(state), program=str(shim), substituters=("http://127.0.0.1:9/fleet",))
+        with pytest.raises(Fail) as caught:
+            runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        shutil.rmtree(shared, ignore_errors=True)
+    fail = caught.value
+    assert fail.permanent
+    assert "ignores the binary cache http://127.0.0.1:9/fleet (nix.substituters, --substituter)" in fail.message
+    assert "trusted-substituters" in fail.message and "trusted-users" in fail.message
+
+
+def test_the_flag_reaches_every_nix_call_as_an_option_and_never_through_the_flake(tmp_path):
+    runner = Nix(str(tmp_path), substituters=("http://a:1", "s3://b"), trusted_public_keys=("a-1:x", "b-1:y"))
+    argv = runner._common()
+    pairs = {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "--option"}
+    assert pairs["extra-substituters"] == "http://a:1 s3://b"
+    assert pairs["extra-trusted-public-keys"] == "a-1:x b-1:y"
+    assert pairs["require-sigs"] == "true" and pairs["fallback"] == "true"
+    assert pairs["accept-flake-config"] == "false"
+    assert "--accept-flake-config" not in argv
+    # No caches configured: nix.conf decides, as before.
+    plain = Nix(str(tmp_path))._common()
+    assert not any("substituters" in a or "require-sigs" in a for a in plain)
+
+
+def test_the_cli_takes_the_caches_as_flags(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "prepare", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert "--substituter" in done.stdout and "--trusted-public-key" in done.stdout
+
+
+def test_publish_takes_preparations_shared_flags_with_the_same_checks(tmp_path):
+    publish_script = Path(console_script()).with_name("fdl-prepare-publish")
+    if not publish_script.exists():
+        pytest.skip("the fdl-prepare-publish console script is not installed (pip install -e .)")
+    key = tmp_path / "key"
+    key.write_text("unused\n")
+    argv = [str(publish_script), str(tmp_path), "--bin", "train", "--variant", "cpu", "--to", "file:///x"]
+    done = subprocess.run(
+        [*argv, "--signing-key", str(key), "--build-timeout", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 78, done.stderr
+    assert "fdl-prepare publish: permanent failure" in done.stderr
+    assert "--build-timeout (join.build_timeout) = 0.0" in done.stderr
