@@ -123,7 +123,7 @@ def note(log: Log, substituters: Sequence[str], notes: list[str]) -> None:
     by_cache: dict[str, list[str]] = {}
     for act in log.substitutions():
         if len(act.fields) >= 2 and isinstance(act.fields[0], str):
-            by_cache.setdefault(str(act.fields[1]), []).append(act.fields[0])
+            by_cache.setdefault(_configured(str(act.fields[1]), substituters), []).append(act.fields[0])
     built = [store_name(a.fields[0]) for a in log.builds() if a.fields and isinstance(a.fields[0], str)]
     for cache, paths in by_cache.items():
         size = _bytes(log, cache, len(by_cache))
@@ -146,6 +146,16 @@ def note(log: Log, substituters: Sequence[str], notes: list[str]) -> None:
             "user is not one of its trusted-users, so only the keys in its own nix.conf count. Add them to "
             "`trusted-public-keys` in /etc/nix/nix.conf, or this user to `trusted-users`"
         )
+
+
+def _configured(reported: str, substituters: Sequence[str]) -> str:
+    """The store a substitution came from, named as 2.8 names it. 2.26
+    reports an `ssh-ng://host?remote-store=...` store as a bare `ssh-ng://`;
+    the one configured substituter of that scheme is the store it means."""
+    if not reported.endswith("://"):
+        return reported
+    matching = [s for s in substituters if s.startswith(reported)]
+    return uri(matching[0]) if len(matching) == 1 else reported
 
 
 def _bytes(log: Log, cache: str, caches: int) -> str:

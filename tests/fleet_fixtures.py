@@ -15,7 +15,7 @@ Needs root and util-linux's unshare; skipped otherwise.
 
 Fixture API (register with `pytest_plugins = ["fleet_fixtures"]`):
 
-`signing_key` (function) -> `(name) -> Key`: a Nix signing key pair made by
+`signing_key` (function, with nix_env) -> `(name) -> Key`: a Nix signing key pair made by
 `nix key generate-secret`. `.secret` (the file), `.public` (name:base64).
 
 `binary_cache` (function) -> `() -> Cache`: an empty directory and an HTTP
@@ -61,7 +61,7 @@ class Key:
 
 
 @pytest.fixture
-def signing_key(tmp_path: Path) -> Callable[[str], Key]:
+def signing_key(tmp_path: Path, nix_env: dict[str, str]) -> Callable[[str], Key]:
     nix = require_nix()
     env = {**os.environ, "NIX_CONFIG": NIX_CONFIG}
 
@@ -109,7 +109,7 @@ class Cache:
 
 
 @pytest.fixture
-def binary_cache(tmp_path: Path) -> Iterator[Callable[[], Cache]]:
+def binary_cache(tmp_path: Path, nix_env: dict[str, str]) -> Iterator[Callable[[], Cache]]:
     caches: list[Cache] = []
 
     def make() -> Cache:

@@ -165,3 +165,12 @@ def test_the_caches_and_keys_resolve_from_file_and_flags_like_every_list():
     file = {"nix": {"substituters": ["https://a.example"], "trusted_public_keys": [KEY]}}
     spec = config.resolve(file, {"nix": {"substituters": ["https://b.example"]}}, {})
     assert spec.nix == NixSpec(substituters=("https://b.example",), trusted_public_keys=(KEY,))
+
+
+def test_a_store_nix_names_by_its_scheme_alone_is_named_by_the_configured_one():
+    # 2.26 reports an ssh-ng store as a bare "ssh-ng://" in its substitute
+    # activity; 2.8 says "ssh-ng://cache".
+    notes: list[str] = []
+    lines = [record(action="start", id=4, type=108, fields=["/nix/store/a-other", "ssh-ng://"], text="")]
+    caches.note(log_of(*lines), (CACHE, "ssh-ng://cache?remote-store=/x"), notes)
+    assert any(n.startswith("binary cache ssh-ng://cache: substituted 1 path") for n in notes), notes
