@@ -53,6 +53,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -396,3 +397,56 @@ def nix_as(uid: int, directory: Path, *extra: str) -> Path:
     )
     shim.chmod(0o755)
     return shim
+
+
+OTHER_UID = 54321
+
+
+@contextlib.contextmanager
+def nix_daemon_client(
+    test_flake: str, *, private_socket: bool = False, **runner: object
+) -> Iterator[tuple[object, Path]]:
+    """A real `nix-daemon` on a socket of its own, and a runner (`prepare.nix.Nix`,
+    with `runner` as its keyword arguments) that talks to it as another user
+    (OTHER_UID, no groups), with a copy of the test flake that user may read.
+    `private_socket` puts the socket in a directory only root may enter, so
+    the kernel refuses that user's connect. Yields (runner, flake directory);
+    skips without root, nix-daemon or setpriv."""
+    from prepare.nix import Nix
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a daemon, and a client as another user)")
+    daemon = shutil.which("nix-daemon")
+    if daemon is None or shutil.which("setpriv") is None:
+        pytest.skip("nix-daemon or setpriv (util-linux) is not installed")
+    shared = Path(tempfile.mkdtemp(prefix="fdl-daemon-"))
+    proc = None
+    try:
+        shared.chmod(0o755)
+        socket_dir = shared / "private" if private_socket else shared
+        socket_dir.mkdir(mode=0o700, exist_ok=True)
+        sock = socket_dir / "socket"
+        proc = subprocess.Popen(
+            [daemon],
+            env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "nix-daemon never opened its socket"
+            time.sleep(0.05)
+        shim = nix_as(OTHER_UID, shared, "--store", f"unix://{sock}")
+        flake = shared / "flake"
+        shutil.copytree(test_flake.removeprefix("path:"), flake)
+        for path in [flake, *flake.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        state = shared / "state"
+        state.mkdir()
+        os.chown(state, OTHER_UID, OTHER_UID)
+        yield Nix(str(state), program=str(shim), **runner), flake  # type: ignore[arg-type]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=10)
+        shutil.rmtree(shared, ignore_errors=True)

@@ -9,11 +9,9 @@ the tests' sshd), the training source a git repository or a directory."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +19,7 @@ from pathlib import Path
 import pytest
 from console import console_script
 from fleet_fixtures import built, substituted
-from nix_fixtures import NIX_CONFIG, nix_as, procs_with, trainer
+from nix_fixtures import NIX_CONFIG, nix_daemon_client, procs_with, trainer
 
 from prepare import nix as nix_mod
 from prepare.build import build
@@ -362,42 +360,11 @@ def test_a_daemon_that_ignores_the_boxs_cache_for_an_untrusted_user_stops_prepar
     # A real nix-daemon and a client that is another user, not in its
     # trusted-users (root only, the default): the daemon drops the cache the
     # client names and says so; the build would go on without it.
-    if os.geteuid() != 0:
-        pytest.skip("needs root (a daemon, and a client as another user)")
-    daemon = shutil.which("nix-daemon")
-    if daemon is None or shutil.which("setpriv") is None:
-        pytest.skip("nix-daemon or setpriv (util-linux) is not installed")
-    shared = Path(tempfile.mkdtemp(prefix="fdl-daemon-"))
-    proc = None
-    try:
-        shared.chmod(0o755)
-        sock = shared / "socket"
-        proc = subprocess.Popen(
-            [daemon],
-            env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while not sock.exists():
-            assert time.monotonic() < deadline and proc.poll() is None, "nix-daemon never opened its socket"
-            time.sleep(0.05)
-        shim = nix_as(54321, shared, "--store", f"unix://{sock}")
-        flake = shared / "flake"
-        shutil.copytree(test_flake.removeprefix("path:"), flake)
-        for path in [flake, *flake.rglob("*")]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        state = shared / "state"
-        state.mkdir()
-        os.chown(state, 54321, 54321)
-        runner = Nix(str(state), program=str(shim), substituters=("http://127.0.0.1:9/fleet",))
-        with pytest.raises(Fail) as caught:
-            runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=10)
-        shutil.rmtree(shared, ignore_errors=True)
+    with (
+        nix_daemon_client(test_flake, substituters=("http://127.0.0.1:9/fleet",)) as (runner, flake),
+        pytest.raises(Fail) as caught,
+    ):
+        runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
     fail = caught.value
     assert fail.permanent
     assert "ignores the binary cache http://127.0.0.1:9/fleet (nix.substituters, --substituter)" in fail.message

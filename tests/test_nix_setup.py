@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, nix_as, trainer
+from nix_fixtures import NIX_CONFIG, nix_daemon_client, trainer
 
 from prepare import nix as nix_mod
 from prepare.build import build
@@ -67,43 +67,8 @@ def test_a_daemon_socket_this_user_may_not_open_is_permanent_and_names_the_group
     # A real nix-daemon on a socket in a directory only root may enter, and
     # a client that is another user: the kernel refuses the connect, as it
     # does on Debian for a user outside nix-users.
-    _root_only()
-    daemon = shutil.which("nix-daemon")
-    if daemon is None or shutil.which("setpriv") is None:
-        pytest.skip("nix-daemon or setpriv (util-linux) is not installed")
-    shared = Path(tempfile.mkdtemp(prefix="fdl-daemon-"))
-    proc = None
-    try:
-        shared.chmod(0o755)
-        private = shared / "private"
-        private.mkdir(mode=0o700)
-        sock = private / "socket"
-        proc = subprocess.Popen(
-            [daemon],
-            env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 20
-        while not sock.exists():
-            assert time.monotonic() < deadline and proc.poll() is None, "nix-daemon never opened its socket"
-            time.sleep(0.05)
-        shim = nix_as(54321, shared, "--store", f"unix://{sock}")
-        flake = shared / "flake"
-        shutil.copytree(test_flake.removeprefix("path:"), flake)
-        for path in [flake, *flake.rglob("*")]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
-        state = shared / "state"
-        state.mkdir()
-        os.chown(state, 54321, 54321)
-        runner = Nix(str(state), program=str(shim))
-        with pytest.raises(Fail) as caught:
-            runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=10)
-        shutil.rmtree(shared, ignore_errors=True)
+    with nix_daemon_client(test_flake, private_socket=True) as (runner, flake), pytest.raises(Fail) as caught:
+        runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
     fail = caught.value
     assert fail.permanent
     assert "cannot connect to socket" in fail.message and "Permission denied" in fail.message
