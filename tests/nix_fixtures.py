@@ -58,6 +58,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -444,7 +445,7 @@ def nix_daemon_client(
         state = shared / "state"
         state.mkdir()
         os.chown(state, OTHER_UID, OTHER_UID)
-        yield Nix(str(state), program=str(shim), **runner), flake  # type: ignore[arg-type]
+        yield Nix(str(state), program=str(shim), **runner), flake
     finally:
         if proc is not None:
             proc.terminate()
