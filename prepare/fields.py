@@ -221,7 +221,8 @@ def parse_devices(text: str, field: str = "--devices") -> list[int]:
     if not text.strip() or any(not (p.isascii() and p.isdigit()) for p in parts):
         raise permanent(
             f"{field} {show(text)}: expected comma-separated device indices such as {field} 0,1 "
-            f"(omit it to offer every visible device)"
+            f"(omit it to offer every visible device)",
+            reason="config.invalid",
         )
     return [int(p) for p in parts]
 

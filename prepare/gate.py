@@ -191,7 +191,7 @@ class NvmlUnusable(Fail):
     for a note on a box whose GPUs are AMD's."""
 
     def __init__(self, fail: Fail, said: str) -> None:
-        super().__init__(fail.message, permanent=fail.permanent)
+        super().__init__(fail.message, permanent=fail.permanent, reason=fail.reason)
         self.said = said
 
 
@@ -208,43 +208,50 @@ def _nvml_fail_message(said: str, code: int | None) -> Fail:
             "GPU gate: no NVIDIA driver is installed: the NVML library libnvidia-ml.so.1 was not found "
             f"({said}). Install the driver, which ships it (Debian: `sudo apt install nvidia-driver` "
             "from non-free; Ubuntu: `sudo ubuntu-drivers install`, or `sudo apt install nvidia-utils-<branch>` "
-            f"beside the kernel module), {_CPU_ONLY}."
+            f"beside the kernel module), {_CPU_ONLY}.",
+            reason="gpu.no-driver",
         )
     if code == _DRIVER_NOT_LOADED:
         return permanent(
             f"GPU gate: the NVIDIA kernel driver is not loaded ({said}). Load it with `sudo modprobe nvidia`; "
             "right after installing a driver, reboot. If it will not load, `sudo dmesg | grep -i nvidia` says "
-            f"why (Secure Boot refusing an unsigned module is common), {_CPU_ONLY}."
+            f"why (Secure Boot refusing an unsigned module is common), {_CPU_ONLY}.",
+            reason="gpu.driver-not-loaded",
         )
     if code == _LIB_RM_VERSION_MISMATCH:
         return permanent(
             f"GPU gate: driver/library version mismatch ({said}): the user-space NVML library and the loaded "
             "kernel module come from different driver versions, which is what a driver upgrade leaves until "
             "the next boot. Reboot (or reload the modules: `sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset "
-            "nvidia && sudo modprobe nvidia`)."
+            "nvidia && sudo modprobe nvidia`).",
+            reason="gpu.driver-mismatch",
         )
     if code == _NO_PERMISSION:
         return permanent(
             f"GPU gate: no permission to use the GPUs ({said}): this user cannot open /dev/nvidia*. "
             "`ls -l /dev/nvidia*` shows the owning group; add the user to it (usually "
             "`sudo usermod -aG video $USER`, then log in again) or run the worker as a user that has it; "
-            "in a container, pass the devices in (the NVIDIA container toolkit)."
+            "in a container, pass the devices in (the NVIDIA container toolkit).",
+            reason="gpu.no-access",
         )
     if code == _FUNCTION_NOT_FOUND:
         return permanent(
             f"GPU gate: the installed driver's NVML lacks a function nvidia-ml-py needs ({said}): the driver "
             "is older than this nvidia-ml-py. Upgrade the NVIDIA driver, or install an nvidia-ml-py "
-            "whose major version matches the driver's CUDA version."
+            "whose major version matches the driver's CUDA version.",
+            reason="gpu.driver-too-old",
         )
     if code in (_NOT_READY, _TIMEOUT):
         return transient(
             f"GPU gate: NVML is not ready yet ({said}): the driver is still coming up (early in boot, or "
             "the fabric manager has not started). The next attempt may work; if it keeps failing, see "
-            "`nvidia-smi` and `systemctl status nvidia-fabricmanager`."
+            "`nvidia-smi` and `systemctl status nvidia-fabricmanager`.",
+            reason="gpu.not-ready",
         )
     return permanent(
         f"GPU gate: NVML failed ({said}). `nvidia-smi` shows the driver's own view of the problem; "
-        f"fix the driver, {_CPU_ONLY}."
+        f"fix the driver, {_CPU_ONLY}.",
+        reason="gpu.nvml-failed",
     )
 
 
@@ -287,7 +294,10 @@ def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
         import pynvml
     except ImportError:  # a declared dependency, but a box of AMD GPUs does without it
         raise NvmlUnusable(
-            permanent(f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {_CPU_ONLY}."),
+            permanent(
+                f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {_CPU_ONLY}.",
+                reason="gpu.nvml-module-missing",
+            ),
             "the Python module pynvml is missing",
         ) from None
 
@@ -375,7 +385,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         raise permanent(
             f"GPU gate: NVML reports no NVIDIA device (driver {gpus.driver_version or 'version unknown'} is "
             "loaded). `nvidia-smi -L` and `lspci | grep -i nvidia` show what the machine has; a container "
-            f"needs the GPUs passed in (the NVIDIA container toolkit), {_CPU_ONLY}."
+            f"needs the GPUs passed in (the NVIDIA container toolkit), {_CPU_ONLY}.",
+            reason="gpu.no-device",
         )
 
     if spec.devices is not None:
@@ -387,7 +398,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
                 f"GPU gate: devices = {list(spec.devices)} (--devices) names "
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {len(devices)} device(s), indices 0-{len(devices) - 1}. Change devices in [join] "
-                "(or --devices) to indices that exist; `fdl-prepare gpus` lists them."
+                "(or --devices) to indices that exist; `fdl-prepare gpus` lists them.",
+                reason="gpu.device-absent",
             )
         if absent:
             have = [
@@ -400,7 +412,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {' and '.join(have) or 'no GPU the runtimes can see'} (each vendor numbers "
                 "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
-                "exist; `fdl-prepare gpus` lists them."
+                "exist; `fdl-prepare gpus` lists them.",
+                reason="gpu.device-absent",
             )
         kept = tuple(d for d in gpus.offered if d.index in wanted)
         gpus = replace(gpus, offered=kept, devices_mask=wanted)
@@ -424,13 +437,15 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             f"a lost GPU needs a reset (`sudo nvidia-smi -r`) or a reboot, {_CPU_ONLY}."
         )
         if amd is None or not amd_devices:
-            raise permanent("GPU gate: no usable GPU: " + nvidia_why)
+            raise permanent("GPU gate: no usable GPU: " + nvidia_why, reason="gpu.unusable")
         message = "GPU gate: no usable GPU: " + _no_usable_amd(amd) + "."
         if devices:
             message += " NVIDIA: " + nvidia_why
         elif gpus.nvidia_error is not None:
             message += f" No NVIDIA GPU either ({gpus.nvidia_error})."
-        raise permanent(message)
+        # A ROCm runtime that cannot open the device nodes is this user's or
+        # this container's access, not the cards.
+        raise permanent(message, reason="gpu.no-access" if amd.blocked is not None else "gpu.unusable")
     if not gpus.offered and not gpus.amd_offered:
         masks = []
         if gpus.cuda_visible_devices is not None and (devices or amd is None):
@@ -457,7 +472,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             + f". Fix {variables} in the worker's environment (unset "
             + ("it" if amd is None else "them")
             + " to see every card) or devices in [join] (--devices); `fdl-prepare gpus` lists the cards and what "
-            "masks them."
+            "masks them.",
+            reason="gpu.masked",
         )
     if amd is not None:
         # The same image serves either vendor: say which cards this box offers.

@@ -87,6 +87,7 @@ def test_a_permanent_failure_in_json_has_kind_and_a_message_naming_the_field(
     assert out["kind"] == "permanent"
     assert "data_path" in out["message"]
     assert str(missing) in out["message"]
+    assert out["reason"] == "data.root-unusable"
 
 
 def test_a_bad_config_file_is_permanent_and_names_the_key(box: dict[str, str]) -> None:
@@ -96,6 +97,7 @@ def test_a_bad_config_file_is_permanent_and_names_the_key(box: dict[str, str]) -
     out = json.loads(done.stdout)
     assert out["kind"] == "permanent"
     assert "cpu_only" in out["message"]
+    assert out["reason"] == "config.invalid"
 
 
 def test_a_flag_wins_over_the_config_file(box: dict[str, str], tmp_path: Path) -> None:
