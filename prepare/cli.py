@@ -276,6 +276,9 @@ def gpus(
         print(json.dumps(survey.to_json()))
     else:
         print(gate.format_table(survey))
+        health = gate.format_health(survey)
+        if health:
+            print("\n" + health)
         print_notes(f"{NAME} gpus", survey.notes)
     raise typer.Exit(EXIT_OK)
 

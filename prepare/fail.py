@@ -36,6 +36,8 @@ Reason = Literal[
     "gpu.no-device",
     "gpu.device-absent",
     "gpu.unusable",
+    "gpu.unhealthy",
+    "gpu.fabric-not-ready",
     "gpu.masked",
     # the dataset root
     "data.mountpoint-unusable",

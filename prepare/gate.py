@@ -16,6 +16,13 @@ on the cards while the run is being prepared. `pynvml` (the `nvidia-ml-py`
 distribution) is imported inside the functions that use it, so `import
 prepare` and `--help` never load it, and `cpu_only` never touches it at all.
 
+Health, not just presence: a card NVML lists and answers for can still be
+unable to train (a pending row remap, uncorrectable ECC errors, an NVLink
+fabric that is not up, compute mode Prohibited; prepare.health reads them).
+Such a card is a note and is not offered; with no healthy card left the
+gate stops (permanent), unless a card's fabric is still being set up, which
+the next attempt may find done (transient).
+
 Masks, in order:
 
 1. `CUDA_VISIBLE_DEVICES`, read as CUDA reads it: a comma-separated list of
@@ -61,6 +68,7 @@ from prepare.fail import Fail, permanent, transient
 
 if TYPE_CHECKING:
     from prepare.amd import AmdDevice, AmdGpus
+    from prepare.health import Check
     from prepare.spec import PrepareSpec
 
 NVIDIA = "nvidia"
@@ -76,6 +84,28 @@ class Device:
     memory_total: int | None  # bytes
     usable: bool
     error: str | None  # why the device is unusable
+    # What NVML says of its fitness to train (prepare.health); empty when it
+    # was not read (an unusable card).
+    health: tuple[Check, ...] = ()
+
+    @property
+    def problems(self) -> tuple[Check, ...]:
+        """What makes the card sick: a person must act before it can train."""
+        return tuple(c for c in self.health if c.state == "sick")
+
+    @property
+    def not_ready(self) -> tuple[Check, ...]:
+        """What the card waits for (its NVLink fabric): the next attempt may find it ready."""
+        return tuple(c for c in self.health if c.state == "not-ready")
+
+    @property
+    def healthy(self) -> bool:
+        """Usable, and nothing known to stop a run on it: what the gate offers."""
+        return self.usable and not self.problems and not self.not_ready
+
+    def health_line(self) -> str:
+        """What is wrong with the card, for a note or a Fail; "" when nothing is."""
+        return "; ".join(c.line() for c in self.problems + self.not_ready)
 
     @property
     def capability_label(self) -> str | None:
@@ -102,8 +132,8 @@ class Gpus:
     cuda_driver_version: tuple[int, int] | None
     # Every surveyed device, in NVML index order.
     devices: tuple[Device, ...]
-    # Usable devices that survive CUDA_VISIBLE_DEVICES then `devices`, in
-    # CUDA_VISIBLE_DEVICES order.
+    # Healthy devices (usable, nothing known to stop a run) that survive
+    # CUDA_VISIBLE_DEVICES then `devices`, in CUDA_VISIBLE_DEVICES order.
     offered: tuple[Device, ...]
     # The raw CUDA_VISIBLE_DEVICES (None: unset), and the indices it leaves
     # visible in its own order (None: unset, every device visible).
@@ -164,6 +194,11 @@ class Gpus:
                 for d in self.devices
             ],
             "offered": list(self.offered_indices),
+            # Beside "devices", one entry a card, so a device's own entry keeps its shape.
+            "health": [
+                {"index": d.index, "healthy": d.healthy, "checks": [c.to_json() for c in d.health]}
+                for d in self.devices
+            ],
             "nvidia_error": self.nvidia_error,
             "amd": None if self.amd is None else self.amd.to_json(),
             "notes": list(self.notes),
@@ -341,6 +376,14 @@ def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
                 f"{d.label()}, {d.uuid or 'UUID unknown'}, is unusable and will not be offered: "
                 f"{d.error}. {_device_hint(codes[d.index], d.index)}"
             )
+        elif d.problems:
+            notes.append(
+                f"{d.label()}, {d.uuid or 'UUID unknown'}, is unhealthy and will not be offered: {d.health_line()}."
+            )
+        elif d.not_ready:
+            notes.append(
+                f"{d.label()}, {d.uuid or 'UUID unknown'}, is not ready and will not be offered: {d.health_line()}."
+            )
     notes.extend(parse_notes)
     if visible is not None:
         hidden = [d for d in devices if d.index not in visible]
@@ -353,7 +396,7 @@ def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
                 "see other cards unless it sets CUDA_DEVICE_ORDER=PCI_BUS_ID (or use GPU- UUIDs)."
             )
     order = visible if visible is not None else tuple(range(len(devices)))
-    offered = tuple(devices[i] for i in order if devices[i].usable)
+    offered = tuple(devices[i] for i in order if devices[i].healthy)
     return Gpus(
         driver_version=driver,
         cuda_driver_version=cuda,
@@ -446,6 +489,11 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         # A ROCm runtime that cannot open the device nodes is this user's or
         # this container's access, not the cards.
         raise permanent(message, reason="gpu.no-access" if amd.blocked is not None else "gpu.unusable")
+    # Usable NVIDIA cards the masks leave, none of them healthy: what stops
+    # the box is the cards' health, not the masks.
+    left = [d for d in usable if gpus.masked_by(d.index) is None]
+    if not gpus.offered and not gpus.amd_offered and left:
+        raise _no_healthy(gpus, left)
     if not gpus.offered and not gpus.amd_offered:
         masks = []
         if gpus.cuda_visible_devices is not None and (devices or amd is None):
@@ -483,6 +531,41 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         notes.extend(lines)
         gpus = replace(gpus, notes=gpus.notes + tuple(lines))
     return gpus
+
+
+def _card_states(gpus: Gpus) -> str:
+    """Each NVIDIA card and what keeps it from the run, for a Fail."""
+    parts = []
+    for d in gpus.devices:
+        if not d.usable:
+            parts.append(f"{d.label()} is unusable: {d.error}")
+        elif d.problems or d.not_ready:
+            parts.append(f"{d.label()}: {d.health_line()}")
+        elif gpus.masked_by(d.index) is not None:
+            parts.append(f"{d.label()} is healthy but masked by {gpus.masked_by(d.index)}")
+        else:
+            parts.append(f"{d.label()} is healthy")
+    return "; ".join(parts)
+
+
+def _no_healthy(gpus: Gpus, left: Sequence[Device]) -> Fail:
+    """The masks leave usable cards and none is healthy. A card whose
+    NVLink fabric is still being set up may be ready on the next attempt
+    (transient); otherwise a person must reset, reboot or replace (permanent)."""
+    if any(d.not_ready for d in left):
+        return transient(
+            "GPU gate: no GPU is ready to train yet: "
+            + _card_states(gpus)
+            + ". The next attempt retries; `nvidia-smi -q | grep -i -A3 fabric` shows each card's fabric state.",
+            reason="gpu.fabric-not-ready",
+        )
+    return permanent(
+        "GPU gate: no healthy GPU: "
+        + _card_states(gpus)
+        + ". `nvidia-smi -q -i <index>` shows the driver's view of a card, `sudo dmesg | grep -i xid` its faults; "
+        f"{_CPU_ONLY}.",
+        reason="gpu.unhealthy",
+    )
 
 
 def _no_usable_amd(amd: AmdGpus) -> str:
@@ -545,6 +628,10 @@ def _nvidia_table(gpus: Gpus) -> str:
     for d in gpus.devices:
         if not d.usable:
             status = f"unusable: {d.error}"
+        elif d.problems:
+            status = "unhealthy, not offered: " + "; ".join(c.detail for c in d.problems)
+        elif d.not_ready:
+            status = "not ready, not offered: " + "; ".join(c.detail for c in d.not_ready)
         elif d.index in offered:
             status = "offered"
         else:
@@ -553,6 +640,22 @@ def _nvidia_table(gpus: Gpus) -> str:
             (str(d.index), d.name or "-", d.uuid or "-", d.capability_label or "-", _gib(d.memory_total), status)
         )
     return _aligned(head, rows, "offered: " + (", ".join(str(i) for i in gpus.offered_indices) or "none"))
+
+
+def format_health(gpus: Gpus) -> str:
+    """Each NVIDIA card's health checks, a line a card, with what fixes a
+    sick one; "" on a box without NVIDIA cards."""
+    if not gpus.devices:
+        return ""
+    lines = ["NVIDIA health (NVML):"]
+    for d in gpus.devices:
+        if not d.health:
+            lines.append(f"  GPU {d.index}: not read ({d.error or 'unusable'})")
+            continue
+        verdict = "sick" if d.problems else "not ready" if d.not_ready else "ok"
+        lines.append(f"  GPU {d.index}: {verdict}: " + "; ".join(c.detail for c in d.health))
+        lines += [f"    fix ({c.name}): {c.action}" for c in d.problems + d.not_ready if c.action]
+    return "\n".join(lines)
 
 
 def _amd_table(amd: AmdGpus) -> str:
@@ -701,6 +804,15 @@ def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
     uuid = ask(pynvml.nvmlDeviceGetUUID, handle)
     capability = ask(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
     memory = ask(pynvml.nvmlDeviceGetMemoryInfo, handle, optional=True)
+    checks: tuple[Check, ...] = ()
+    if not errors:
+        from prepare import health
+
+        try:
+            checks = health.read(pynvml, handle, index)
+        except health.Lost as lost:
+            errors.append(f"reading its health: {lost.said}")
+            codes.append(_GPU_IS_LOST)
     device = Device(
         index=index,
         name=name,
@@ -709,6 +821,7 @@ def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
         memory_total=None if memory is None else int(memory.total),
         usable=not errors,
         error=errors[0] if errors else None,
+        health=checks,
     )
     return device, handle, (codes[0] if codes else None)
 
