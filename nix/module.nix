@@ -175,6 +175,18 @@ let
         example = [ 0 1 ];
         description = "GPU indices this box offers, in the vendor's own numbering (NVML's for NVIDIA, ROCm's for AMD), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).";
       };
+      expect_gpus = mkOption {
+        type = types.nullOr types.ints.positive;
+        default = null;
+        example = 8;
+        description = ''
+          How many healthy GPUs this box must offer, after the masks. Fewer
+          (a card fallen off the bus, a sick card, one masked out) is a
+          permanent failure naming each missing or sick index, so the unit
+          stops instead of joining a run short of cards; a card whose NVLink
+          fabric is still being set up makes it retry instead.
+        '';
+      };
       cpu_only = mkOption {
         type = types.bool;
         default = false;

@@ -39,6 +39,7 @@ Reason = Literal[
     "gpu.unhealthy",
     "gpu.fabric-not-ready",
     "gpu.masked",
+    "gpu.expected-missing",
     # the dataset root
     "data.mountpoint-unusable",
     "data.identity-unreadable",

@@ -110,6 +110,14 @@ def _port(value: Any) -> str | None:
     return None
 
 
+def _count(value: Any) -> str | None:
+    if not _is_int(value):
+        return f"expected a whole number from 1 up, got {kind_of(value)}"
+    if value < 1:
+        return "expected a number of GPUs from 1 up; leave it out to expect none in particular"
+    return None
+
+
 def _seconds(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"expected a number of seconds greater than 0, got {kind_of(value)}"
@@ -266,6 +274,7 @@ URL = Kind("url", _string, str, to_spec=_stripped)
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
+COUNT = Kind("count", _count, int, example="8")
 DEVICES = Kind("devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple)
 STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
 
@@ -376,6 +385,15 @@ FIELDS: tuple[Field, ...] = (
         metavar="LIST",
         nix="nullOr (listOf ints.unsigned)",
         help="GPU indices this box offers, e.g. 0,1, in the vendor's own numbering (NVML's, or ROCm's), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).",
+    ),
+    Field(
+        key="expect_gpus",
+        flag="--expect-gpus",
+        spec="expect_gpus",
+        kind=COUNT,
+        metavar="N",
+        nix="nullOr ints.positive",
+        help="Healthy GPUs this box must offer (after the masks); fewer is permanent, naming the missing or sick ones.",
     ),
     Field(
         key="cpu_only",

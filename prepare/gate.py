@@ -417,6 +417,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         if spec.devices is not None:
             listed = ",".join(str(i) for i in spec.devices)
             notes.append(f"devices ({listed}) is ignored with cpu_only: no GPU is offered to the run.")
+        if spec.expect_gpus is not None:
+            notes.append(f"expect_gpus ({spec.expect_gpus}) is ignored with cpu_only: no GPU is checked.")
         return None
 
     gpus = survey()
@@ -523,6 +525,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             "masks them.",
             reason="gpu.masked",
         )
+    if spec.expect_gpus is not None:
+        _check_expected(gpus, spec.expect_gpus)
     if amd is not None:
         # The same image serves either vendor: say which cards this box offers.
         lines = [_offered_note(gpus)]
@@ -531,6 +535,66 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         notes.extend(lines)
         gpus = replace(gpus, notes=gpus.notes + tuple(lines))
     return gpus
+
+
+def _check_expected(gpus: Gpus, expected: int) -> None:
+    """`expect_gpus`: the box must offer that many healthy cards of the
+    vendor its run uses. Each one short is named: missing from the driver's
+    list (fallen off the bus), unusable, sick, not ready, or masked."""
+    vendor = gpus.primary_vendor
+    offered: tuple[int, ...]
+    short: list[str] = []
+    not_ready = 0
+    if vendor == AMD and gpus.amd is not None:
+        amd = gpus.amd
+        offered = amd.offered_indices
+        count, name, lister = amd.runtime_count, "AMD", "the ROCm runtime"
+        for a in amd.devices:
+            if a.index is not None and a.index in offered:
+                continue
+            why = f"unusable: {a.error}" if not a.usable else f"masked by {amd.masked_by(a.index) or 'the masks'}"
+            short.append(f"{a.label()} is {why}")
+    else:
+        offered = gpus.offered_indices
+        count, name, lister = len(gpus.devices), "NVIDIA", "NVML"
+        for d in gpus.devices:
+            if d.index in offered:
+                continue
+            if not d.usable:
+                short.append(f"{d.label()} is unusable: {d.error}")
+            elif d.problems or d.not_ready:
+                short.append(f"{d.label()}: {d.health_line()}")
+                not_ready += bool(d.not_ready and not d.problems)
+            else:
+                short.append(f"{d.label()} is masked by {gpus.masked_by(d.index) or 'the masks'}")
+    if len(offered) >= expected:
+        return
+    if count < expected:
+        gone = f"GPU {count}" if expected - count == 1 else f"GPUs {count}-{expected - 1}"
+        short.append(
+            f"{gone} {'is' if expected - count == 1 else 'are'} missing: {lister} lists {count} "
+            f"{name} GPU{'s' if count != 1 else ''}"
+        )
+    said = (
+        f"GPU gate: expect_gpus = {expected} (--expect-gpus), but this box offers {len(offered)} healthy {name} "
+        f"GPU{'s' if len(offered) != 1 else ''}"
+        + (f" ({', '.join(str(i) for i in offered)})" if offered else "")
+        + ": "
+        + "; ".join(short)
+        + ". "
+    )
+    if len(offered) + not_ready >= expected:
+        raise transient(
+            said + "The cards still setting up their NVLink fabric may be ready on the next attempt, which retries.",
+            reason="gpu.fabric-not-ready",
+        )
+    raise permanent(
+        said + "A card missing from the list has usually fallen off the bus: `lspci | grep -i -e nvidia -e amd` shows "
+        "what the machine has, `sudo dmesg | grep -i -e xid -e nvrm -e amdgpu` why (Xid 79: fallen off the bus); "
+        "reboot, then reseat or replace it. Fix a sick card as said above, or change expect_gpus in [join] "
+        "(--expect-gpus) or the masks if this box is meant to offer fewer; `fdl-prepare gpus` lists the cards.",
+        reason="gpu.expected-missing",
+    )
 
 
 def _card_states(gpus: Gpus) -> str:

@@ -92,6 +92,9 @@ class PrepareSpec:
     libtorch: str | None = None
     # Indices this box offers to the run, in its vendor's numbering, applied after the masks.
     devices: tuple[int, ...] | None = None
+    # How many healthy GPUs the box must offer: a fleet that knows its boxes
+    # have 8 cards stops one that lost a card off the bus, or has a sick one.
+    expect_gpus: int | None = None
     cpu_only: bool = False
     flake: str | None = None
     # Where GC roots for built outputs live; None picks a per-user default.

@@ -238,3 +238,83 @@ def test_gpus_json_on_a_box_of_sick_cards_is_the_survey_not_a_failure(fake_nvml)
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["offered"] == [] and data["health"][0]["healthy"] is False
+
+
+# -- expect_gpus -------------------------------------------------------------------------
+
+
+def test_a_box_with_a_card_fallen_off_the_bus_fails_expect_gpus_naming_the_missing_index(nvml_box):
+    nvml_box(hgx_h100(7))
+    with pytest.raises(Fail) as failed:
+        gate.check(PrepareSpec(expect_gpus=8), [])
+    fail = failed.value
+    assert fail.permanent and fail.reason == "gpu.expected-missing"
+    assert fail.message.startswith(
+        "GPU gate: expect_gpus = 8 (--expect-gpus), but this box offers 7 healthy NVIDIA GPUs (0, 1, 2, 3, 4, 5, 6): "
+        "GPU 7 is missing: NVML lists 7 NVIDIA GPUs."
+    )
+    assert "fallen off the bus" in fail.message and "--expect-gpus" in fail.message
+
+
+def test_expect_gpus_names_a_sick_card_with_its_fix_and_a_lost_one(nvml_box):
+    cards = hgx_h100(4)
+    cards[1] = FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0), remap=(0, 1, 1, 0))
+    cards[3] = FakeGpu(fail=GPU_IS_LOST)
+    nvml_box(cards)
+    with pytest.raises(Fail) as failed:
+        gate.check(PrepareSpec(expect_gpus=4), [])
+    message = failed.value.message
+    assert "offers 2 healthy NVIDIA GPUs (0, 2): GPU 1 (NVIDIA H100 80GB HBM3): a row remap is pending" in message
+    assert "nvidia-smi -r -i 1" in message
+    assert "GPU 3 (name unknown) is unusable: " in message and "GPU is lost" in message
+
+
+def test_expect_gpus_counts_what_the_masks_leave(nvml_box):
+    nvml_box(hgx_h100(2))
+    with pytest.raises(Fail) as failed:
+        gate.check(PrepareSpec(expect_gpus=2, devices=(0,)), [])
+    assert failed.value.reason == "gpu.expected-missing"
+    assert "GPU 1 (NVIDIA H100 80GB HBM3) is masked by devices" in failed.value.message
+
+
+def test_expect_gpus_short_only_by_cards_setting_up_their_fabric_is_transient(nvml_box):
+    cards = hgx_h100(2)
+    cards[1] = FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0), fabric=(FABRIC_IN_PROGRESS, 0))
+    nvml_box(cards)
+    with pytest.raises(Fail) as failed:
+        gate.check(PrepareSpec(expect_gpus=2), [])
+    assert not failed.value.permanent and failed.value.reason == "gpu.fabric-not-ready"
+    assert "next attempt" in failed.value.message
+
+
+def test_expect_gpus_met_passes_and_offers_them(nvml_box):
+    nvml_box(hgx_h100(8))
+    gpus = gate.check(PrepareSpec(expect_gpus=8), [])
+    assert gpus is not None and len(gpus.offered) == 8
+
+
+def test_expect_gpus_with_cpu_only_is_noted_as_ignored():
+    notes: list[str] = []
+    assert gate.check(PrepareSpec(cpu_only=True, expect_gpus=8), notes) is None
+    assert any("expect_gpus (8) is ignored with cpu_only" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "8", 1.5])
+def test_expect_gpus_must_be_a_count_from_one(value):
+    from prepare import config
+
+    with pytest.raises(Fail) as failed:
+        config.check_spec(PrepareSpec(expect_gpus=value))
+    assert failed.value.reason == "config.invalid" and "expect_gpus" in failed.value.message
+
+
+def test_expect_gpus_from_the_flag_stops_the_command_with_exit_78(fake_nvml, tmp_path):
+    box = fake_nvml.box(hgx_h100(7))
+    env = box.env(_base())
+    env["FDL_PREPARE_CONFIG"] = str(tmp_path / "prepare.toml")
+    env["HOME"] = str(tmp_path)
+    (tmp_path / "prepare.toml").write_text("[join]\nexpect_gpus = 4\n")
+    assert fdl_prepare(env, "--json").returncode == 0
+    done = fdl_prepare(env, "--json", "--expect-gpus", "8")
+    assert done.returncode == 78, done.stderr
+    assert json.loads(done.stdout)["reason"] == "gpu.expected-missing"
