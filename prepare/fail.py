@@ -30,6 +30,7 @@ Reason = Literal[
     "gpu.driver-not-loaded",
     "gpu.driver-mismatch",
     "gpu.driver-too-old",
+    "gpu.driver-dir-unwritable",
     "gpu.no-access",
     "gpu.not-ready",
     "gpu.nvml-failed",

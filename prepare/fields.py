@@ -404,6 +404,17 @@ FIELDS: tuple[Field, ...] = (
         nix="bool",
         help="Skip the GPU gate (CPU-only workers, demos); only the cpu libtorch is allowed.",
     ),
+    # Not typed by the module: on NixOS the system keeps the driver directory.
+    Field(
+        key="driver_dir",
+        flag="--driver-dir",
+        spec="driver_dir",
+        kind=STRING,
+        metavar="DIR",
+        default="/run/opengl-driver/lib",
+        help="Where links to the host's NVIDIA libraries are kept for Nix-built programs on a box that is not NixOS. "
+        "Default: /run/opengl-driver/lib (nixpkgs' addDriverRunpath).",
+    ),
     # The module writes `flake` from its own `flake` option, not a settings one.
     Field(
         key="flake",

@@ -73,6 +73,8 @@ if TYPE_CHECKING:
 
 NVIDIA = "nvidia"
 AMD = "amd"
+# prepare.driver_dir.DEFAULT, without importing it for `import prepare.gate`.
+DRIVER_DIR = "/run/opengl-driver/lib"
 
 
 @dataclass(frozen=True)
@@ -298,18 +300,19 @@ def _device_hint(code: int | None, index: int) -> str:
     return f"`nvidia-smi -q -i {index}` shows the driver's view; `sudo dmesg | grep -i xid` shows GPU faults."
 
 
-def survey(env: Mapping[str, str] | None = None) -> Gpus:
+def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR) -> Gpus:
     """Ask NVML about every NVIDIA device and the amdgpu driver about every
     AMD one, then apply each vendor's masks from `env` (default: this
     process's environment). Raises a Fail when NVML itself cannot be used
     and the box has no AMD GPU; a device whose queries fail is only marked
-    unusable."""
+    unusable. NVML is what the loader finds, else the one in `driver_dir`
+    (prepare.driver_dir), as a Nix-built program finds the driver."""
     env = os.environ if env is None else env
     from prepare import amd as amd_mod
 
     amd = amd_mod.survey(env)
     try:
-        gpus = _survey_nvidia(env)
+        gpus = _survey_nvidia(env, driver_dir)
     except NvmlUnusable as fail:
         # One image serves NVIDIA and AMD boxes: on an AMD box the NVML
         # library is missing, or installed with no NVIDIA kernel module to
@@ -324,7 +327,7 @@ def survey(env: Mapping[str, str] | None = None) -> Gpus:
     return replace(gpus, amd=amd, notes=gpus.notes + amd.notes)
 
 
-def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
+def _survey_nvidia(env: Mapping[str, str], driver_dir: str) -> Gpus:
     try:
         import pynvml
     except ImportError:  # a declared dependency, but a box of AMD GPUs does without it
@@ -337,7 +340,7 @@ def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
         ) from None
 
     try:
-        pynvml.nvmlInit()
+        _init(pynvml, driver_dir)
     except pynvml.NVMLError as err:
         raise _nvml_fail(err, "at nvmlInit") from None
 
@@ -421,7 +424,12 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             notes.append(f"expect_gpus ({spec.expect_gpus}) is ignored with cpu_only: no GPU is checked.")
         return None
 
-    gpus = survey()
+    from prepare import driver_dir
+
+    # Before NVML: on a box that is not NixOS, this is also where a
+    # Nix-built fdl-prepare finds NVML itself.
+    driver_dir.ensure(spec.driver_dir, notes)
+    gpus = survey(driver_dir=spec.driver_dir)
     notes.extend(gpus.notes)
     devices = gpus.devices
     amd = gpus.amd
@@ -842,6 +850,23 @@ def _by_prefix(prefix: str, candidates: Sequence[tuple[str, int]], what: str) ->
     if not matches:
         return None, f"no {what} has a UUID starting with it"
     return None, "it is ambiguous, matching " + ", ".join(f"GPU {i}" for i in matches) + ": give more of the UUID"
+
+
+def _init(pynvml: Any, driver_dir: str) -> None:
+    """nvmlInit, with NVML from the driver directory when the loader finds
+    none: a pip-installed fdl-prepare gets the host's through its linker
+    cache, a Nix-built one (whose glibc never reads that cache) through the
+    directory, as every other Nix-built program does."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        if getattr(err, "value", None) != _LIBRARY_NOT_FOUND:
+            raise
+        from prepare import driver_dir as driver_dir_mod
+
+        if not driver_dir_mod.preload_nvml(driver_dir):
+            raise
+        pynvml.nvmlInit()
 
 
 def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:

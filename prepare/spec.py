@@ -96,6 +96,10 @@ class PrepareSpec:
     # have 8 cards stops one that lost a card off the bus, or has a sick one.
     expect_gpus: int | None = None
     cpu_only: bool = False
+    # Where the host's NVIDIA libraries are linked for Nix-built programs on
+    # a box that is not NixOS (prepare.driver_dir): the path nixpkgs'
+    # addDriverRunpath bakes into them.
+    driver_dir: str = "/run/opengl-driver/lib"
     flake: str | None = None
     # Where GC roots for built outputs live; None picks a per-user default.
     state_dir: str | None = None

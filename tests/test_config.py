@@ -311,6 +311,7 @@ WRONG_TYPES = [
     ("join", "cpu_only", "1", ["expected true or false"]),
     ("join", "refresh", '"yes"', ["expected true or false", "refresh = true"]),
     ("join", "flake", '{ url = "x" }', ["expected a string, got a table"]),
+    ("join", "driver_dir", "false", ["expected a string"]),
     ("join", "state_dir", "1979-05-27", ["expected a string, got a date/time"]),
     ("join", "list_timeout", '"30"', ["expected a number", "list_timeout = 30"]),
     ("join", "list_timeout", "0", ["greater than 0"]),
