@@ -115,6 +115,18 @@ let
       cwd = nullOrStr "Directory inside the source the build and the run use." ".";
       build = nullOrStr "Build line for the source." "cargo build --release";
       bin = nullOrStr "The training binary the build installs." "train";
+      smoke = mkOption {
+        type = types.nullOr (types.listOf types.str);
+        default = null;
+        example = [ "--smoke" ];
+        description = ''
+          Arguments for one run of the built binary before the box counts as
+          prepared (a run manifest's `smoke` outranks them). A binary the
+          loader cannot start (a library it cannot find, such as the
+          driver's libcuda.so.1) stops the unit; a timeout or another
+          failure is retried. Empty or null runs nothing.
+        '';
+      };
     };
   };
 

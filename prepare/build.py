@@ -84,6 +84,8 @@ class Built:
     bin: Binary | None
     args: tuple[str, ...] | None
     run_id: str | None
+    # The smoke run's arguments (the recipe's), for the pipeline.
+    smoke: tuple[str, ...] | None = None
 
 
 # -- the state directory ----------------------------------------------------------
@@ -566,7 +568,7 @@ def _built(
         path=os.path.join(training_path, "bin", os.path.basename(recipe.bin)),
         cwd=os.path.normpath(os.path.join(source.fetched.store_path, recipe.cwd)),
     )
-    return Built(libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id)
+    return Built(libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id, smoke=recipe.smoke)
 
 
 def _short(installable: str) -> str:

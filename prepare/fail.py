@@ -84,6 +84,10 @@ Reason = Literal[
     "libtorch.no-variant",
     "libtorch.arch-uncovered",
     "libtorch.wrong-vendor",
+    # the smoke run of the built binary
+    "smoke.loader",
+    "smoke.timeout",
+    "smoke.failed",
     # fdl-prepare publish
     "publish.invalid",
     "publish.tree-unwritable",

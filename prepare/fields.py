@@ -145,9 +145,9 @@ def _devices(value: Any) -> str | None:
     return None
 
 
-def _strings(value: Any) -> str | None:
+def _strings(value: Any, example: str = '["ServerAliveInterval=15"]') -> str | None:
     if not isinstance(value, (list, tuple)):
-        return f'expected an array of strings such as ["ServerAliveInterval=15"], got {kind_of(value)}'
+        return f"expected an array of strings such as {example}, got {kind_of(value)}"
     for item in value:
         if not isinstance(item, str):
             return f"expected an array of strings, but {show(item)} is {kind_of(item)}"
@@ -277,6 +277,14 @@ SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
 COUNT = Kind("count", _count, int, example="8")
 DEVICES = Kind("devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple)
 STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
+
+
+def _arguments(value: Any) -> str | None:
+    return _strings(value, '["--smoke"]')
+
+
+# A program's arguments: strings, as a list; an empty list is a choice (none).
+ARGUMENTS = Kind("arguments", _arguments, list, example='["--smoke"]', to_spec=tuple)
 
 
 def _stripped_all(value: Any) -> Any:
@@ -455,6 +463,15 @@ FIELDS: tuple[Field, ...] = (
         help="Abandon a build running longer than this (transient).",
     ),
     Field(
+        key="smoke_timeout",
+        flag="--smoke-timeout",
+        spec="smoke_timeout_s",
+        kind=SECONDS,
+        metavar="SECONDS",
+        default=60.0,
+        help="Stop the smoke run of the built binary after this long (transient). Default: 60.",
+    ),
+    Field(
         key="refresh",
         flag="--refresh",
         spec="refresh",
@@ -497,6 +514,16 @@ FIELDS: tuple[Field, ...] = (
         metavar="NAME",
         nix="nullOr str",
         help="The training binary the build installs.",
+    ),
+    Field(
+        key="source.smoke",
+        flag="--smoke",
+        spec="source.smoke",
+        kind=ARGUMENTS,
+        metavar="ARG",
+        nix="nullOr (listOf str)",
+        help="Argument of one run of the built binary before the box counts as prepared, repeatable (a run "
+        "manifest's smoke outranks them).",
     ),
     Field(
         key="ssh.target",

@@ -32,12 +32,13 @@ else:  # pragma: no cover
 
 FILENAME = ".fdl-run.toml"
 
-_FIELDS = ("bin", "cwd", "build", "args", "run", "built", "published_epoch", "origin")
+_FIELDS = ("bin", "cwd", "build", "args", "smoke", "run", "built", "published_epoch", "origin")
 _TYPES: dict[str, tuple[type, str]] = {
     "bin": (str, "a string (a name or a path relative to cwd)"),
     "cwd": (str, "a string (a directory relative to the source root)"),
     "build": (str, "a string (a shell line)"),
     "args": (list, "a list of strings"),
+    "smoke": (list, "a list of strings (the smoke run's arguments; [] runs none)"),
     "run": (str, "a string (the run's identity)"),
     "built": (bool, "true or false"),
     "published_epoch": (int, "an integer (seconds since the epoch)"),
@@ -51,6 +52,7 @@ class Manifest:
     cwd: str | None = None
     build: str | None = None
     args: tuple[str, ...] | None = None
+    smoke: tuple[str, ...] | None = None
     run: str | None = None
     built: bool | None = None
     published_epoch: int | None = None
@@ -68,6 +70,9 @@ class Recipe:
     cwd: str = "."
     build: str | None = None
     args: tuple[str, ...] | None = None
+    # The smoke run's arguments: the manifest's where it has them (the
+    # publisher knows its binary), else the box's. Not part of the build.
+    smoke: tuple[str, ...] | None = None
     run_id: str | None = None
     built: bool | None = None
     published_epoch: int | None = None
@@ -100,14 +105,14 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
         value = table[key]
         want, described = _TYPES[key]
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-        if ok and key == "args":
+        if ok and key in ("args", "smoke"):
             ok = all(isinstance(a, str) for a in value)
         if not ok:
             raise transient(
                 f"the run manifest {where} has {key} = {value!r}, expected {described}: publish a fixed {FILENAME}",
                 reason="source.manifest-invalid",
             )
-        values[key] = tuple(value) if key == "args" else value
+        values[key] = tuple(value) if key in ("args", "smoke") else value
     unknown = tuple(sorted(k for k in table if k not in _FIELDS))
     return Manifest(**values, unknown=unknown)
 
@@ -202,6 +207,7 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
         cwd=cwd,
         build=build,
         args=manifest.args if manifest is not None else None,
+        smoke=manifest.smoke if manifest is not None and manifest.smoke is not None else getattr(box, "smoke", None),
         run_id=manifest.run if manifest is not None else None,
         built=manifest.built if manifest is not None else None,
         published_epoch=manifest.published_epoch if manifest is not None else None,

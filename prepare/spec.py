@@ -44,6 +44,9 @@ class SourceSpec:
     cwd: str | None = None
     build: str | None = None
     bin: str | None = None
+    # Arguments of one run of the built binary before prepare succeeds
+    # (prepare.smoke); None or empty: no smoke run.
+    smoke: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class PrepareSpec:
     list_timeout_s: float = 10.0
     # A build stuck past this many seconds is abandoned (transient). None: no limit.
     build_timeout_s: float | None = None
+    # The smoke run is stopped after this many seconds (transient).
+    smoke_timeout_s: float = 60.0
     # Ignore what earlier attempts settled (<state>/warm.json): evaluate the
     # flake and build as on a first attempt, then record afresh.
     refresh: bool = False

@@ -21,7 +21,8 @@ libnvidia-ml.so.1), each with its soname link beside it. The libcuda stand-in
 and the smoke binary use no libc at all, so the binary's only dependency is
 libcuda.so.1.
 
-`smoke_binary(driver_dir)` (from the `driver_host` fixture): a program that,
+`smoke_binary(compiled, driver_dir, out)` (`compiled` from the session
+fixture `driver_libraries`, which needs only gcc): a program that,
 like a Nix-built one, looks for libcuda.so.1 only in `driver_dir`: RUNPATH
 `driver_dir` (gcc -Wl,-rpath) and DF_1_NODEFLIB (-z nodefaultlib: neither
 the default directories nor the system's entries of the linker cache), and
@@ -43,7 +44,7 @@ API (root only; the fixture skips elsewhere):
     .ensure(driver_dir, **run_kw) -> dict: driver_dir.ensure there:
                       {"notes": [...], "links": {name: target}} or
                       {"fail": {"kind", "reason", "message"}, "notes": [...]}.
-    .smoke_binary(driver_dir) -> Path
+    .smoke_binary(driver_dir) -> Path, under the host's directory
 """
 
 from __future__ import annotations
@@ -168,6 +169,30 @@ def _readable_sh() -> str:
     return str(root)
 
 
+def smoke_binary(compiled: Compiled, driver_dir: Path | str, out: Path) -> Path:
+    """A program that looks for libcuda.so.1 only in `driver_dir`, as a
+    Nix-built one does (see the module's docstring)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    source = out.parent / f"{out.name}.c"
+    source.write_text(SMOKE_C % _EXIT[platform.machine()])
+    _gcc(
+        compiled.gcc,
+        "-O1",
+        "-nostdlib",
+        "-fno-stack-protector",
+        "-fno-pie",
+        "-no-pie",
+        f"-Wl,-rpath,{driver_dir}",
+        "-Wl,--enable-new-dtags",
+        "-Wl,-z,nodefaultlib",
+        "-o",
+        str(out),
+        str(source),
+        str(compiled.build / "libcuda.so.1"),
+    )
+    return out
+
+
 class DriverHost:
     def __init__(self, root: Path, compiled: Compiled) -> None:
         self.root = root
@@ -216,26 +241,7 @@ class DriverHost:
 
     # -- a program built like a Nix one ------------------------------------------------
     def smoke_binary(self, driver_dir: Path | str, name: str = "train") -> Path:
-        out = self.root / "bin" / name
-        out.parent.mkdir(exist_ok=True)
-        source = self.root / "smoke.c"
-        source.write_text(SMOKE_C % _EXIT[platform.machine()])
-        _gcc(
-            self.compiled.gcc,
-            "-O1",
-            "-nostdlib",
-            "-fno-stack-protector",
-            "-fno-pie",
-            "-no-pie",
-            f"-Wl,-rpath,{driver_dir}",
-            "-Wl,--enable-new-dtags",
-            "-Wl,-z,nodefaultlib",
-            "-o",
-            str(out),
-            str(source),
-            str(self.compiled.build / "libcuda.so.1"),
-        )
-        return out
+        return smoke_binary(self.compiled, driver_dir, self.root / "bin" / name)
 
     # -- the namespace -----------------------------------------------------------------
     def run(

@@ -312,6 +312,8 @@ WRONG_TYPES = [
     ("join", "refresh", '"yes"', ["expected true or false", "refresh = true"]),
     ("join", "flake", '{ url = "x" }', ["expected a string, got a table"]),
     ("join", "driver_dir", "false", ["expected a string"]),
+    ("join", "smoke_timeout", "0", ["greater than 0"]),
+    ("join.source", "smoke", '"--smoke"', ['expected an array of strings such as ["--smoke"]', 'smoke = ["--smoke"]']),
     ("join", "state_dir", "1979-05-27", ["expected a string, got a date/time"]),
     ("join", "list_timeout", '"30"', ["expected a number", "list_timeout = 30"]),
     ("join", "list_timeout", "0", ["greater than 0"]),
