@@ -60,6 +60,8 @@ _DRIVER_LIB = re.compile(
 )
 _KERNEL = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
 _LISTED = re.compile(r"^\s*(\S+) \(([^)]*)\) => (\S.*)$")
+# The name of a link while it is made, before it is renamed into place.
+_TMP = ".fdl-prepare-new."
 
 
 @dataclass(frozen=True)
@@ -219,9 +221,14 @@ def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list
         present = sorted(os.listdir(directory))
         for name in present:
             path = os.path.join(directory, name)
-            if name not in wanted and os.path.islink(path):
+            # Another attempt's link in the making is that attempt's.
+            if name in wanted or _TMP in name or not os.path.islink(path):
+                continue
+            # Two attempts at once (a restart racing a manual run) may both
+            # find the same stale link: gone is what both want.
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-                removed.append(name)
+            removed.append(name)
         for name, target in sorted(wanted.items()):
             path = os.path.join(directory, name)
             if os.path.islink(path):
@@ -248,7 +255,7 @@ def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list
 
 
 def _replace_link(target: str, path: str) -> None:
-    tmp = f"{path}.fdl-prepare.{os.getpid()}"
+    tmp = f"{path}{_TMP}{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
     os.symlink(target, tmp)

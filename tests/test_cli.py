@@ -113,3 +113,11 @@ def test_the_human_summary_goes_to_stderr_and_stdout_stays_empty(box: dict[str, 
     assert done.stdout == ""
     assert "fdl-prepare: prepared in" in done.stderr
     assert "gate skipped" in done.stderr
+
+
+def test_a_root_flag_before_publish_is_a_usage_error(box: dict[str, str], tmp_path: Path) -> None:
+    done = fdl(
+        box, "--flake", "path:/x", "publish", str(tmp_path), "--bin", "t", "--to", "file:///c", "--signing-key", "k"
+    )
+    assert done.returncode == 2
+    assert "--flake" in done.stderr and "publish" in done.stderr

@@ -198,3 +198,14 @@ def test_a_library_version_is_read_through_its_links(tmp_path):
     assert driver_dir.library_version(str(tmp_path / "libcuda.so.1")) == "570.86.15"
     (tmp_path / "libnvidia-ml.so.1").write_bytes(b"")
     assert driver_dir.library_version(str(tmp_path / "libnvidia-ml.so.1")) is None
+
+
+def test_a_link_another_attempt_is_making_is_left_to_it(driver_host, tmp_path):
+    driver_host.install()
+    where = tmp_path / "driver"
+    where.mkdir()
+    making = where / "libcuda.so.1.fdl-prepare-new.99999"
+    making.symlink_to(driver_host.lib_dir / "libcuda.so.1")
+    got = driver_host.ensure(where)
+    assert making.is_symlink()
+    assert "stale" not in got["notes"][0]
