@@ -115,6 +115,18 @@ let
       cwd = nullOrStr "Directory inside the source the build and the run use." ".";
       build = nullOrStr "Build line for the source." "cargo build --release";
       bin = nullOrStr "The training binary the build installs." "train";
+      smoke = mkOption {
+        type = types.nullOr (types.listOf types.str);
+        default = null;
+        example = [ "--smoke" ];
+        description = ''
+          Arguments for one run of the built binary before the box counts as
+          prepared (a run manifest's `smoke` outranks them). A binary the
+          loader cannot start (a library it cannot find, such as the
+          driver's libcuda.so.1) stops the unit; a timeout or another
+          failure is retried. Empty or null runs nothing.
+        '';
+      };
     };
   };
 
@@ -174,6 +186,18 @@ let
         default = null;
         example = [ 0 1 ];
         description = "GPU indices this box offers, in the vendor's own numbering (NVML's for NVIDIA, ROCm's for AMD), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).";
+      };
+      expect_gpus = mkOption {
+        type = types.nullOr types.ints.positive;
+        default = null;
+        example = 8;
+        description = ''
+          How many healthy GPUs this box must offer, after the masks. Fewer
+          (a card fallen off the bus, a sick card, one masked out) is a
+          permanent failure naming each missing or sick index, so the unit
+          stops instead of joining a run short of cards; a card whose NVLink
+          fabric is still being set up makes it retry instead.
+        '';
       };
       cpu_only = mkOption {
         type = types.bool;

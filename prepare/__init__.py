@@ -3,7 +3,7 @@
     from prepare import prepare, print_notes, PrepareSpec, DataSpec, SourceSpec, Prepared, Fail
 
 The library never prints and never exits: `prepare` returns a `Prepared` or
-raises a `Fail` (`.permanent`, `.message`) and appends advisory lines to the
+raises a `Fail` (`.permanent`, `.reason`, `.message`) and appends advisory lines to the
 caller's `notes`; only `print_notes` and the CLI write anything.
 """
 

@@ -84,6 +84,8 @@ class Built:
     bin: Binary | None
     args: tuple[str, ...] | None
     run_id: str | None
+    # The smoke run's arguments (the recipe's), for the pipeline.
+    smoke: tuple[str, ...] | None = None
 
 
 # -- the state directory ----------------------------------------------------------
@@ -149,7 +151,8 @@ def _locked(state: str, wait_s: float, step: Callable[[str, str], None], notes: 
         wait_s,
         cannot_open=lambda err: permanent(
             f"cannot open the state lock {path}: {human.oserror(err)}; make {state} writable for this user, "
-            "or set state_dir (--state-dir) to a directory it can write"
+            "or set state_dir (--state-dir) to a directory it can write",
+            reason="dirs.unwritable",
         ),
         stuck=(
             f"another fdl-prepare has held {path} for over {human.duration(wait_s)} and this one stopped "
@@ -175,26 +178,30 @@ def check_source_url(url: str | None) -> str:
     if url is None or not str(url).strip():
         raise permanent(
             "the training source has no URL: set source.from in [join.source] (--source), e.g. "
-            '"git+https://host/repo?ref=main" or "path:/srv/train"'
+            '"git+https://host/repo?ref=main" or "path:/srv/train"',
+            reason="config.invalid",
         )
     url = str(url).strip()
     if any(c.isspace() for c in url):
         raise permanent(
             f'source.from = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"; '
             "path: URLs are not percent-decoded either): move or link the tree to a path without spaces and "
-            "name that in [join.source] from (--source)"
+            "name that in [join.source] from (--source)",
+            reason="config.invalid",
         )
     if url.startswith("/") or url.startswith("."):
         raise permanent(
             f"source.from = {url!r} is a bare path; Nix would guess whether it is a git checkout (following its "
             f'current branch) or a plain directory. Write it as a flake URL: "path:{os.path.abspath(url)}", or '
-            f'"git+file://{os.path.abspath(url)}?ref=main" (--source)'
+            f'"git+file://{os.path.abspath(url)}?ref=main" (--source)',
+            reason="config.invalid",
         )
     scheme, sep, rest = url.partition(":")
     if not sep or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
         raise permanent(
             f"source.from = {url!r} is not a flake URL (no scheme): use git+https://, git+ssh://, git+file://, "
-            "path: or a tarball https:// URL (--source)"
+            "path: or a tarball https:// URL (--source)",
+            reason="config.invalid",
         )
     _check_local_path(url, scheme, "source.from", "[join.source] from (--source)", "/srv/train", "?ref=main")
     query = parse_qs(urlsplit(url).query)
@@ -203,19 +210,22 @@ def check_source_url(url: str | None) -> str:
             raise permanent(
                 f"source.from = {url!r} names no ref or rev: a git source without one follows the remote's default "
                 f"branch, which is not a pin. Add ?ref=<branch> (re-resolved on every attempt) or ?rev=<commit> "
-                f'(fixed): e.g. "{url}{"&" if "?" in url else "?"}ref=main" in [join.source] from (--source)'
+                f'(fixed): e.g. "{url}{"&" if "?" in url else "?"}ref=main" in [join.source] from (--source)',
+                reason="config.invalid",
             )
     elif scheme in _FORGE_SCHEMES:
         path = rest.split("?")[0].strip("/").split("/")
         if len(path) < 3 and not query.get("ref") and not query.get("rev"):
             raise permanent(
                 f"source.from = {url!r} names no ref or rev, so it follows the default branch, which is not a pin: "
-                f"write {scheme}:<owner>/<repo>/<branch or commit> in [join.source] from (--source)"
+                f"write {scheme}:<owner>/<repo>/<branch or commit> in [join.source] from (--source)",
+                reason="config.invalid",
             )
     elif scheme == "flake":
         raise permanent(
             f"source.from = {url!r} looks like a flake registry name; fdl-prepare consults no registry (a box "
-            "without internet would wait on it). Write the full URL (git+https://...?ref=..., path:...) (--source)"
+            "without internet would wait on it). Write the full URL (git+https://...?ref=..., path:...) (--source)",
+            reason="config.invalid",
         )
     return url
 
@@ -238,7 +248,8 @@ def _check_local_path(url: str, scheme: str, field: str, where: str, example: st
     raise permanent(
         f"{field} = {url!r} {what}: Nix would resolve it against the working directory (here {os.getcwd()!r}; "
         f"`/` under systemd, copying the whole filesystem into the store). Write an absolute path, e.g. "
-        f'"{fixed}", in {where}'
+        f'"{fixed}", in {where}',
+        reason="config.invalid",
     )
 
 
@@ -250,25 +261,29 @@ def check_flake_url(flake: str | None) -> str:
     if not url:
         raise permanent(
             'no flake to build from: set flake in [join] (--flake), e.g. "github:owner/fdl-prepare" or '
-            '"git+file:///srv/fdl-prepare?ref=main"; `nix run .#prepare` sets it to its own flake'
+            '"git+file:///srv/fdl-prepare?ref=main"; `nix run .#prepare` sets it to its own flake',
+            reason="config.invalid",
         )
     if any(c.isspace() for c in url):
         raise permanent(
             f'flake = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"): move or '
-            f"link the flake to a path without spaces and name that in {where}"
+            f"link the flake to a path without spaces and name that in {where}",
+            reason="config.invalid",
         )
     if "#" in url:
         bare, _, fragment = url.partition("#")
         raise permanent(
             f"flake = {url!r} names an attribute (#{fragment}); fdl-prepare picks the attributes itself "
             f"(legacyPackages.<system>.fdl, nix/CONTRACT.md), so Nix would get two fragments. Name the flake "
-            f'alone: "{bare}" in {where}'
+            f'alone: "{bare}" in {where}',
+            reason="config.invalid",
         )
     if url.startswith("."):
         raise permanent(
             f"flake = {url!r} is a relative path: Nix would resolve it against the working directory (here "
             f'{os.getcwd()!r}; `/` under systemd). Write it absolute, e.g. "path:{os.path.abspath(url)}", '
-            f"in {where}"
+            f"in {where}",
+            reason="config.invalid",
         )
     scheme = url.partition(":")[0] if ":" in url else ""
     _check_local_path(url, scheme, "flake", where, "/srv/fdl-prepare")
@@ -431,7 +446,8 @@ def _evaluate_variants(session: Session) -> Any:
     if contract != CONTRACT:
         raise permanent(
             f"the flake {flake!r} speaks contract {contract!r} (legacyPackages.{system}.fdl.contract), this "
-            f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point flake (--flake) at a matching revision"
+            f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point flake (--flake) at a matching revision",
+            reason="flake.contract-mismatch",
         )
     return meta.get("variants")
 
@@ -446,7 +462,9 @@ def fetch_source(session: Session) -> Source | None:
     url = source.from_
     assert url is not None  # check_source_url refused a source without one
     session.step("fetch", f"training source {url}")
-    fetched = session.nix.prefetch(url, doing=f"fetching the training source {url!r} (source.from, --source)")
+    fetched = session.nix.prefetch(
+        url, doing=f"fetching the training source {url!r} (source.from, --source)", unreachable="source.unreachable"
+    )
     _note_fetched(fetched, session.notes)
     manifest = manifest_mod.read(fetched.store_path)
     recipe = manifest_mod.merge(source, manifest, url)
@@ -543,13 +561,14 @@ def _built(
     if training_path is None:
         raise permanent(
             f"the flake {session.flake!r} built no training output holding bin/{os.path.basename(recipe.bin)}: "
-            "its fdl.training does not follow the contract (nix/CONTRACT.md: install the recipe's bin to $out/bin/)"
+            "its fdl.training does not follow the contract (nix/CONTRACT.md: install the recipe's bin to $out/bin/)",
+            reason="flake.contract-broken",
         )
     binary = Binary(
         path=os.path.join(training_path, "bin", os.path.basename(recipe.bin)),
         cwd=os.path.normpath(os.path.join(source.fetched.store_path, recipe.cwd)),
     )
-    return Built(libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id)
+    return Built(libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id, smoke=recipe.smoke)
 
 
 def _short(installable: str) -> str:

@@ -105,7 +105,8 @@ def untrusted(log: Log, substituters: Sequence[str]) -> Fail | None:
         f"lists it in trusted-substituters. Fix, as root: add `trusted-substituters = {listed}` (and its keys to "
         "`trusted-public-keys`) to /etc/nix/nix.conf, or add this user to `trusted-users` there, then "
         "`systemctl restart nix-daemon` (NixOS: nix.settings.trusted-substituters / trusted-users); or run "
-        "fdl-prepare as root"
+        "fdl-prepare as root",
+        reason="nix.cache-untrusted",
     )
 
 

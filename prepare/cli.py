@@ -154,6 +154,7 @@ def make_app(table: Table = TABLE) -> typer.Typer:
     ) -> None:
         """Prepare this box (the default command)."""
         if ctx.invoked_subcommand is not None:
+            _pass_to_subcommand(ctx, config, as_json, table, given)
             return
         raise typer.Exit(_prepare(config, _flags(table, given), as_json, table))
 
@@ -161,6 +162,32 @@ def make_app(table: Table = TABLE) -> typer.Typer:
     app.command("gpus")(gpus)
     app.command("publish", no_args_is_help=True)(_with_field_options(_fresh(publish), PUBLISH_SHARED, after=None))
     return app
+
+
+def _pass_to_subcommand(
+    ctx: typer.Context, config: str | None, as_json: bool, table: Table, given: Mapping[str, Any]
+) -> None:
+    """Before a subcommand, the root's --json is the subcommand's (`fdl-prepare
+    --json gpus` prints JSON, as `fdl-prepare gpus --json` does); any other
+    root flag would be silently ignored there, so it is a usage error."""
+    ignored = [f.flag for f in table.fields if given.get(f.param) not in (None, [])]
+    if config is not None:
+        ignored.insert(0, "--config")
+    if ignored:
+        them = "it" if len(ignored) == 1 else "them"
+        raise typer.BadParameter(
+            f"given before `{ctx.invoked_subcommand}`, which would ignore {them}: drop {them}, or see "
+            f"`{NAME} {ctx.invoked_subcommand} --help` for its own options",
+            ctx=ctx,
+            param_hint=", ".join(ignored),
+        )
+    ctx.obj = {"json": as_json}
+
+
+def _root_json(ctx: typer.Context) -> bool:
+    """Whether --json was given before the subcommand."""
+    obj = ctx.find_root().obj
+    return bool(isinstance(obj, dict) and obj.get("json"))
 
 
 def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, table: Table = TABLE) -> int:
@@ -196,7 +223,7 @@ def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, tabl
 def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) -> int:
     code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
     if as_json:
-        print(json.dumps({"kind": fail.kind, "message": fail.message, "notes": notes}, sort_keys=True))
+        print(json.dumps({**fail.to_json(), "notes": notes}, sort_keys=True))
         return code
     print_notes(name, notes)
     then = (
@@ -231,12 +258,15 @@ def _summary(done: Any, seconds: float) -> None:
 
 
 def gpus(
+    ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Print the survey as JSON on stdout."),
 ) -> None:
     """Survey the GPUs and print them: NVIDIA through NVML (after CUDA_VISIBLE_DEVICES), AMD from the
     amdgpu driver's KFD topology (after ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES), each numbered
     as its runtime numbers it."""
     from prepare import gate
+
+    as_json = as_json or _root_json(ctx)
 
     try:
         survey = gate.survey(os.environ)
@@ -246,11 +276,15 @@ def gpus(
         print(json.dumps(survey.to_json()))
     else:
         print(gate.format_table(survey))
+        health = gate.format_health(survey)
+        if health:
+            print("\n" + health)
         print_notes(f"{NAME} gpus", survey.notes)
     raise typer.Exit(EXIT_OK)
 
 
 def publish(
+    ctx: typer.Context,
     source: str = typer.Argument(..., metavar="SOURCE_DIR", help="The training source tree (a git checkout or not)."),
     bin_: str = typer.Option(..., "--bin", metavar="NAME", help="The training binary the build installs."),
     variants: Annotated[
@@ -281,6 +315,7 @@ def publish(
     from prepare.publish import PublishSpec
     from prepare.publish import publish as run_publish
 
+    as_json = as_json or _root_json(ctx)
     notes: list[str] = []
     start = time.monotonic()
     name = f"{NAME} publish"

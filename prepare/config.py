@@ -83,11 +83,14 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
     config without a word."""
     if flag is not None:
         if not flag.strip():
-            raise permanent("--config is empty: give the path of a TOML file, or drop --config")
+            raise permanent(
+                "--config is empty: give the path of a TOML file, or drop --config", reason="config.missing"
+            )
         path = Path(flag)
         if not os.path.exists(path):
             raise permanent(
-                f"--config {flag}: no such file; fix the path, or drop --config to use ${CONFIG_ENV} or {default}"
+                f"--config {flag}: no such file; fix the path, or drop --config to use ${CONFIG_ENV} or {default}",
+                reason="config.missing",
             )
         return path
     named = env.get(CONFIG_ENV)
@@ -96,7 +99,8 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
         if not os.path.exists(path):
             raise permanent(
                 f"{CONFIG_ENV}={named}: no such file; fix the path, or unset {CONFIG_ENV} "
-                f"(in a systemd unit, its Environment= line) to use {default}"
+                f"(in a systemd unit, its Environment= line) to use {default}",
+                reason="config.missing",
             )
         return path
     # lexists: a dangling symlink at the default place is a broken install,
@@ -123,9 +127,13 @@ def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
     try:
         raw = path.read_bytes()
     except IsADirectoryError:
-        raise permanent(f"config {path} is a directory; name the TOML file itself") from None
+        raise permanent(
+            f"config {path} is a directory; name the TOML file itself", reason="config.unreadable"
+        ) from None
     except OSError as exc:
-        raise permanent(f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}") from None
+        raise permanent(
+            f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}", reason="config.unreadable"
+        ) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -133,30 +141,33 @@ def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
         raise permanent(
             f"config {path}, line {line}: byte 0x{raw[exc.start]:02x} is not UTF-8, and TOML files "
             f"must be UTF-8: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
-            f"&& mv {path}.utf8 {path})"
+            f"&& mv {path}.utf8 {path})",
+            reason="config.invalid",
         ) from None
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise permanent(_syntax_message(path, text, exc)) from None
+        raise permanent(_syntax_message(path, text, exc), reason="config.invalid") from None
 
     if "join" not in doc:
         typo = next((k for k in doc if _looks_like_join(k)), None)
         if typo is not None:
             raise permanent(
                 f"config {path}: there is a [{typo}] table but no [join]; "
-                f"did you mean [join]? fdl-prepare reads only [join]"
+                f"did you mean [join]? fdl-prepare reads only [join]",
+                reason="config.invalid",
             )
         return {}
     join = doc["join"]
     if not isinstance(join, dict):
         shown = "an array of tables ([[join]])" if isinstance(join, list) else f"{show(join)}"
         raise permanent(
-            f"config {path}{_at(_line_of(text, ('join',)))}: join must be a table written [join], got {shown}"
+            f"config {path}{_at(_line_of(text, ('join',)))}: join must be a table written [join], got {shown}",
+            reason="config.invalid",
         )
     problems = _validate(join, _file_namer(text), table)
     if problems:
-        raise permanent(_problems_message(f"config {path}", problems))
+        raise permanent(_problems_message(f"config {path}", problems), reason="config.invalid")
     plain: dict[str, Any] = _plain(join)
     return plain
 
@@ -240,11 +251,11 @@ def resolve(
     cannot work together (RULES)."""
     problems = _validate(file, lambda key: (f"join.{key}", None), table)
     if problems:
-        raise permanent(_problems_message("config", problems))
+        raise permanent(_problems_message("config", problems), reason="config.invalid")
     given = _drop_none(flags)
     problems = _validate(given, _flag_namer(table), table, flags=True)
     if problems:
-        raise permanent(_problems_message("flags", problems))
+        raise permanent(_problems_message("flags", problems), reason="config.invalid")
 
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}
@@ -321,7 +332,7 @@ def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
             # No TOML spelling hints for a value that came from code.
             problems.append(f"PrepareSpec.{f.spec} = {f.kind.show(value)}: {problem}")
     if problems:
-        raise permanent(_problems_message("PrepareSpec", problems))
+        raise permanent(_problems_message("PrepareSpec", problems), reason="config.invalid")
     spec = _normalised(spec, table)
     _check_rules(spec)
     return spec
@@ -356,9 +367,9 @@ def _check_rules(spec: PrepareSpec) -> None:
 
     problems = [problem for rule in RULES if (problem := rule(spec, where)) is not None]
     if len(problems) == 1:
-        raise permanent(problems[0])
+        raise permanent(problems[0], reason="config.invalid")
     if problems:
-        raise permanent(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
+        raise permanent(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems), reason="config.invalid")
 
 
 def env_value(env: Mapping[str, str], name: str) -> str | None:

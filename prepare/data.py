@@ -69,7 +69,8 @@ def ensure_root(spec: PrepareSpec, notes: list[str]) -> str | None:
     if mountpoint == "/":
         raise permanent(
             "data_path '/' cannot be the mountpoint of data_source: it would cover the whole "
-            "machine. Set `data_path` to an empty directory such as /flodl/data."
+            "machine. Set `data_path` to an empty directory such as /flodl/data.",
+            reason="config.invalid",
         )
     with _mount_lock(mountpoint, spec.list_timeout_s):
         mount.establish(source, mountpoint, spec, notes)
@@ -78,9 +79,11 @@ def ensure_root(spec: PrepareSpec, notes: list[str]) -> str | None:
 
 def _absolute(path: str, field: str) -> str:
     if not path.strip():
-        raise permanent(f"`{field}` is empty; give an absolute directory such as {DEFAULT_DATA_PATH}.")
+        raise permanent(
+            f"`{field}` is empty; give an absolute directory such as {DEFAULT_DATA_PATH}.", reason="config.invalid"
+        )
     if "\0" in path:
-        raise permanent(f"`{field}` {path!r} contains a NUL byte; no path can.")
+        raise permanent(f"`{field}` {path!r} contains a NUL byte; no path can.", reason="config.invalid")
     expanded = os.path.expanduser(path)
     if not os.path.isabs(expanded):
         # Resolving it would use our cwd, which is nobody's choice: `/` under
@@ -89,7 +92,8 @@ def _absolute(path: str, field: str) -> str:
         raise permanent(
             f"`{field}` {path!r}{shown} is a relative path; it would resolve against the current "
             f"directory ({os.getcwd()}; `/` under systemd). Give an absolute directory such as "
-            f"{DEFAULT_DATA_PATH} (flag --data-path)."
+            f"{DEFAULT_DATA_PATH} (flag --data-path).",
+            reason="config.invalid",
         )
     # Lexical on purpose: abspath never consults symlinks.
     return os.path.abspath(expanded)
@@ -128,7 +132,8 @@ def _mount_lock(mountpoint: str, list_timeout_s: float) -> Iterator[None]:
     def cannot_open(err: OSError) -> Fail:
         return permanent(
             f"cannot open the mount lock {path} for data_path {mountpoint}: {human.oserror(err)}; "
-            f"make {os.path.dirname(path)} writable for this user."
+            f"make {os.path.dirname(path)} writable for this user.",
+            reason="dirs.unwritable",
         )
 
     with locks.held(

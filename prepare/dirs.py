@@ -89,7 +89,8 @@ def _home(notes: list[str]) -> tuple[str, str]:
             raise permanent(
                 f"HOME={home!r} is not an absolute path, so the dataset cache "
                 f"($HOME/.flodl/data) would move with the working directory: "
-                f"set HOME to an absolute path (Environment=HOME=/var/lib/fdl in a systemd unit)"
+                f"set HOME to an absolute path (Environment=HOME=/var/lib/fdl in a systemd unit)",
+                reason="dirs.no-home",
             )
         return home, f"HOME={home}"
     uid = os.getuid()
@@ -101,7 +102,8 @@ def _home(notes: list[str]) -> tuple[str, str]:
         raise permanent(
             f"HOME is unset and uid {uid} has no home directory in the password "
             f"database, so there is no place for the dataset cache ($HOME/.flodl/data): "
-            f"set HOME to a writable directory (Environment=HOME=/var/lib/fdl in a systemd unit)"
+            f"set HOME to a writable directory (Environment=HOME=/var/lib/fdl in a systemd unit)",
+            reason="dirs.no-home",
         )
     notes.append(
         f"HOME is unset: the dataset cache goes under {entry.pw_dir}, the home of "
@@ -131,10 +133,14 @@ def _stage() -> tuple[str, str]:
             fix = f"create it (sudo mkdir -m 1777 {path}) or set TMPDIR to an existing directory"
         else:
             fix = f"create it (mkdir -p {path}) or point {_var(origin, 'TMPDIR')} at an existing directory"
-        raise permanent(f"stage directory {path} (from {origin}) cannot be used: {human.oserror(exc)}; {fix}") from None
+        raise permanent(
+            f"stage directory {path} (from {origin}) cannot be used: {human.oserror(exc)}; {fix}",
+            reason="dirs.unwritable",
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise permanent(
-            f"stage directory {path} (from {origin}) is not a directory; point {_var(origin, 'TMPDIR')} at a directory"
+            f"stage directory {path} (from {origin}) is not a directory; point {_var(origin, 'TMPDIR')} at a directory",
+            reason="dirs.unwritable",
         )
     return path, origin
 
@@ -193,7 +199,8 @@ def _probe(directory: str, what: str, origin: str, *, var: str | None = None) ->
                 failure = permanent(
                     f"{what} (from {origin}): the probe {path} was written but cannot be "
                     f"removed: {human.oserror(exc)}; remove it by hand (rm -f {path}) and check "
-                    f"the directory's permissions and mount options"
+                    f"the directory's permissions and mount options",
+                    reason="dirs.unwritable",
                 )
     if failure is not None:
         raise failure
@@ -243,7 +250,7 @@ def _unusable(
         )
     else:
         fix = f"check {path} and the filesystem under it, or point {var} at another directory"
-    return permanent(f"{what} (from {origin}) {verb}: {human.oserror(exc)}; {fix}")
+    return permanent(f"{what} (from {origin}) {verb}: {human.oserror(exc)}; {fix}", reason="dirs.unwritable")
 
 
 def _nearest_existing(path: str) -> str:

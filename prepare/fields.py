@@ -110,6 +110,14 @@ def _port(value: Any) -> str | None:
     return None
 
 
+def _count(value: Any) -> str | None:
+    if not _is_int(value):
+        return f"expected a whole number from 1 up, got {kind_of(value)}"
+    if value < 1:
+        return "expected a number of GPUs from 1 up; leave it out to expect none in particular"
+    return None
+
+
 def _seconds(value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"expected a number of seconds greater than 0, got {kind_of(value)}"
@@ -137,9 +145,9 @@ def _devices(value: Any) -> str | None:
     return None
 
 
-def _strings(value: Any) -> str | None:
+def _strings(value: Any, example: str = '["ServerAliveInterval=15"]') -> str | None:
     if not isinstance(value, (list, tuple)):
-        return f'expected an array of strings such as ["ServerAliveInterval=15"], got {kind_of(value)}'
+        return f"expected an array of strings such as {example}, got {kind_of(value)}"
     for item in value:
         if not isinstance(item, str):
             return f"expected an array of strings, but {show(item)} is {kind_of(item)}"
@@ -221,7 +229,8 @@ def parse_devices(text: str, field: str = "--devices") -> list[int]:
     if not text.strip() or any(not (p.isascii() and p.isdigit()) for p in parts):
         raise permanent(
             f"{field} {show(text)}: expected comma-separated device indices such as {field} 0,1 "
-            f"(omit it to offer every visible device)"
+            f"(omit it to offer every visible device)",
+            reason="config.invalid",
         )
     return [int(p) for p in parts]
 
@@ -265,8 +274,17 @@ URL = Kind("url", _string, str, to_spec=_stripped)
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
+COUNT = Kind("count", _count, int, example="8")
 DEVICES = Kind("devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple)
 STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
+
+
+def _arguments(value: Any) -> str | None:
+    return _strings(value, '["--smoke"]')
+
+
+# A program's arguments: strings, as a list; an empty list is a choice (none).
+ARGUMENTS = Kind("arguments", _arguments, list, example='["--smoke"]', to_spec=tuple)
 
 
 def _stripped_all(value: Any) -> Any:
@@ -377,6 +395,15 @@ FIELDS: tuple[Field, ...] = (
         help="GPU indices this box offers, e.g. 0,1, in the vendor's own numbering (NVML's, or ROCm's), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).",
     ),
     Field(
+        key="expect_gpus",
+        flag="--expect-gpus",
+        spec="expect_gpus",
+        kind=COUNT,
+        metavar="N",
+        nix="nullOr ints.positive",
+        help="Healthy GPUs this box must offer (after the masks); fewer is permanent, naming the missing or sick ones.",
+    ),
+    Field(
         key="cpu_only",
         flag="--cpu-only",
         spec="cpu_only",
@@ -384,6 +411,17 @@ FIELDS: tuple[Field, ...] = (
         default=False,
         nix="bool",
         help="Skip the GPU gate (CPU-only workers, demos); only the cpu libtorch is allowed.",
+    ),
+    # Not typed by the module: on NixOS the system keeps the driver directory.
+    Field(
+        key="driver_dir",
+        flag="--driver-dir",
+        spec="driver_dir",
+        kind=STRING,
+        metavar="DIR",
+        default="/run/opengl-driver/lib",
+        help="Where links to the host's NVIDIA libraries are kept for Nix-built programs on a box that is not NixOS. "
+        "Default: /run/opengl-driver/lib (nixpkgs' addDriverRunpath).",
     ),
     # The module writes `flake` from its own `flake` option, not a settings one.
     Field(
@@ -423,6 +461,15 @@ FIELDS: tuple[Field, ...] = (
         kind=SECONDS,
         metavar="SECONDS",
         help="Abandon a build running longer than this (transient).",
+    ),
+    Field(
+        key="smoke_timeout",
+        flag="--smoke-timeout",
+        spec="smoke_timeout_s",
+        kind=SECONDS,
+        metavar="SECONDS",
+        default=60.0,
+        help="Stop the smoke run of the built binary after this long (transient). Default: 60.",
     ),
     Field(
         key="refresh",
@@ -467,6 +514,16 @@ FIELDS: tuple[Field, ...] = (
         metavar="NAME",
         nix="nullOr str",
         help="The training binary the build installs.",
+    ),
+    Field(
+        key="source.smoke",
+        flag="--smoke",
+        spec="source.smoke",
+        kind=ARGUMENTS,
+        metavar="ARG",
+        nix="nullOr (listOf str)",
+        help="Argument of one run of the built binary before the box counts as prepared, repeatable (a run "
+        "manifest's smoke outranks them).",
     ),
     Field(
         key="ssh.target",

@@ -16,6 +16,13 @@ on the cards while the run is being prepared. `pynvml` (the `nvidia-ml-py`
 distribution) is imported inside the functions that use it, so `import
 prepare` and `--help` never load it, and `cpu_only` never touches it at all.
 
+Health, not just presence: a card NVML lists and answers for can still be
+unable to train (a pending row remap, uncorrectable ECC errors, an NVLink
+fabric that is not up, compute mode Prohibited; prepare.health reads them).
+Such a card is a note and is not offered; with no healthy card left the
+gate stops (permanent), unless a card's fabric is still being set up, which
+the next attempt may find done (transient).
+
 Masks, in order:
 
 1. `CUDA_VISIBLE_DEVICES`, read as CUDA reads it: a comma-separated list of
@@ -61,10 +68,13 @@ from prepare.fail import Fail, permanent, transient
 
 if TYPE_CHECKING:
     from prepare.amd import AmdDevice, AmdGpus
+    from prepare.health import Check
     from prepare.spec import PrepareSpec
 
 NVIDIA = "nvidia"
 AMD = "amd"
+# prepare.driver_dir.DEFAULT, without importing it for `import prepare.gate`.
+DRIVER_DIR = "/run/opengl-driver/lib"
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,28 @@ class Device:
     memory_total: int | None  # bytes
     usable: bool
     error: str | None  # why the device is unusable
+    # What NVML says of its fitness to train (prepare.health); empty when it
+    # was not read (an unusable card).
+    health: tuple[Check, ...] = ()
+
+    @property
+    def problems(self) -> tuple[Check, ...]:
+        """What makes the card sick: a person must act before it can train."""
+        return tuple(c for c in self.health if c.state == "sick")
+
+    @property
+    def not_ready(self) -> tuple[Check, ...]:
+        """What the card waits for (its NVLink fabric): the next attempt may find it ready."""
+        return tuple(c for c in self.health if c.state == "not-ready")
+
+    @property
+    def healthy(self) -> bool:
+        """Usable, and nothing known to stop a run on it: what the gate offers."""
+        return self.usable and not self.problems and not self.not_ready
+
+    def health_line(self) -> str:
+        """What is wrong with the card, for a note or a Fail; "" when nothing is."""
+        return "; ".join(c.line() for c in self.problems + self.not_ready)
 
     @property
     def capability_label(self) -> str | None:
@@ -102,8 +134,8 @@ class Gpus:
     cuda_driver_version: tuple[int, int] | None
     # Every surveyed device, in NVML index order.
     devices: tuple[Device, ...]
-    # Usable devices that survive CUDA_VISIBLE_DEVICES then `devices`, in
-    # CUDA_VISIBLE_DEVICES order.
+    # Healthy devices (usable, nothing known to stop a run) that survive
+    # CUDA_VISIBLE_DEVICES then `devices`, in CUDA_VISIBLE_DEVICES order.
     offered: tuple[Device, ...]
     # The raw CUDA_VISIBLE_DEVICES (None: unset), and the indices it leaves
     # visible in its own order (None: unset, every device visible).
@@ -164,6 +196,11 @@ class Gpus:
                 for d in self.devices
             ],
             "offered": list(self.offered_indices),
+            # Beside "devices", one entry a card, so a device's own entry keeps its shape.
+            "health": [
+                {"index": d.index, "healthy": d.healthy, "checks": [c.to_json() for c in d.health]}
+                for d in self.devices
+            ],
             "nvidia_error": self.nvidia_error,
             "amd": None if self.amd is None else self.amd.to_json(),
             "notes": list(self.notes),
@@ -191,7 +228,7 @@ class NvmlUnusable(Fail):
     for a note on a box whose GPUs are AMD's."""
 
     def __init__(self, fail: Fail, said: str) -> None:
-        super().__init__(fail.message, permanent=fail.permanent)
+        super().__init__(fail.message, permanent=fail.permanent, reason=fail.reason)
         self.said = said
 
 
@@ -208,43 +245,50 @@ def _nvml_fail_message(said: str, code: int | None) -> Fail:
             "GPU gate: no NVIDIA driver is installed: the NVML library libnvidia-ml.so.1 was not found "
             f"({said}). Install the driver, which ships it (Debian: `sudo apt install nvidia-driver` "
             "from non-free; Ubuntu: `sudo ubuntu-drivers install`, or `sudo apt install nvidia-utils-<branch>` "
-            f"beside the kernel module), {_CPU_ONLY}."
+            f"beside the kernel module), {_CPU_ONLY}.",
+            reason="gpu.no-driver",
         )
     if code == _DRIVER_NOT_LOADED:
         return permanent(
             f"GPU gate: the NVIDIA kernel driver is not loaded ({said}). Load it with `sudo modprobe nvidia`; "
             "right after installing a driver, reboot. If it will not load, `sudo dmesg | grep -i nvidia` says "
-            f"why (Secure Boot refusing an unsigned module is common), {_CPU_ONLY}."
+            f"why (Secure Boot refusing an unsigned module is common), {_CPU_ONLY}.",
+            reason="gpu.driver-not-loaded",
         )
     if code == _LIB_RM_VERSION_MISMATCH:
         return permanent(
             f"GPU gate: driver/library version mismatch ({said}): the user-space NVML library and the loaded "
             "kernel module come from different driver versions, which is what a driver upgrade leaves until "
             "the next boot. Reboot (or reload the modules: `sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset "
-            "nvidia && sudo modprobe nvidia`)."
+            "nvidia && sudo modprobe nvidia`).",
+            reason="gpu.driver-mismatch",
         )
     if code == _NO_PERMISSION:
         return permanent(
             f"GPU gate: no permission to use the GPUs ({said}): this user cannot open /dev/nvidia*. "
             "`ls -l /dev/nvidia*` shows the owning group; add the user to it (usually "
             "`sudo usermod -aG video $USER`, then log in again) or run the worker as a user that has it; "
-            "in a container, pass the devices in (the NVIDIA container toolkit)."
+            "in a container, pass the devices in (the NVIDIA container toolkit).",
+            reason="gpu.no-access",
         )
     if code == _FUNCTION_NOT_FOUND:
         return permanent(
             f"GPU gate: the installed driver's NVML lacks a function nvidia-ml-py needs ({said}): the driver "
             "is older than this nvidia-ml-py. Upgrade the NVIDIA driver, or install an nvidia-ml-py "
-            "whose major version matches the driver's CUDA version."
+            "whose major version matches the driver's CUDA version.",
+            reason="gpu.driver-too-old",
         )
     if code in (_NOT_READY, _TIMEOUT):
         return transient(
             f"GPU gate: NVML is not ready yet ({said}): the driver is still coming up (early in boot, or "
             "the fabric manager has not started). The next attempt may work; if it keeps failing, see "
-            "`nvidia-smi` and `systemctl status nvidia-fabricmanager`."
+            "`nvidia-smi` and `systemctl status nvidia-fabricmanager`.",
+            reason="gpu.not-ready",
         )
     return permanent(
         f"GPU gate: NVML failed ({said}). `nvidia-smi` shows the driver's own view of the problem; "
-        f"fix the driver, {_CPU_ONLY}."
+        f"fix the driver, {_CPU_ONLY}.",
+        reason="gpu.nvml-failed",
     )
 
 
@@ -256,18 +300,19 @@ def _device_hint(code: int | None, index: int) -> str:
     return f"`nvidia-smi -q -i {index}` shows the driver's view; `sudo dmesg | grep -i xid` shows GPU faults."
 
 
-def survey(env: Mapping[str, str] | None = None) -> Gpus:
+def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR) -> Gpus:
     """Ask NVML about every NVIDIA device and the amdgpu driver about every
     AMD one, then apply each vendor's masks from `env` (default: this
     process's environment). Raises a Fail when NVML itself cannot be used
     and the box has no AMD GPU; a device whose queries fail is only marked
-    unusable."""
+    unusable. NVML is what the loader finds, else the one in `driver_dir`
+    (prepare.driver_dir), as a Nix-built program finds the driver."""
     env = os.environ if env is None else env
     from prepare import amd as amd_mod
 
     amd = amd_mod.survey(env)
     try:
-        gpus = _survey_nvidia(env)
+        gpus = _survey_nvidia(env, driver_dir)
     except NvmlUnusable as fail:
         # One image serves NVIDIA and AMD boxes: on an AMD box the NVML
         # library is missing, or installed with no NVIDIA kernel module to
@@ -282,17 +327,20 @@ def survey(env: Mapping[str, str] | None = None) -> Gpus:
     return replace(gpus, amd=amd, notes=gpus.notes + amd.notes)
 
 
-def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
+def _survey_nvidia(env: Mapping[str, str], driver_dir: str) -> Gpus:
     try:
         import pynvml
     except ImportError:  # a declared dependency, but a box of AMD GPUs does without it
         raise NvmlUnusable(
-            permanent(f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {_CPU_ONLY}."),
+            permanent(
+                f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {_CPU_ONLY}.",
+                reason="gpu.nvml-module-missing",
+            ),
             "the Python module pynvml is missing",
         ) from None
 
     try:
-        pynvml.nvmlInit()
+        _init(pynvml, driver_dir)
     except pynvml.NVMLError as err:
         raise _nvml_fail(err, "at nvmlInit") from None
 
@@ -331,6 +379,14 @@ def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
                 f"{d.label()}, {d.uuid or 'UUID unknown'}, is unusable and will not be offered: "
                 f"{d.error}. {_device_hint(codes[d.index], d.index)}"
             )
+        elif d.problems:
+            notes.append(
+                f"{d.label()}, {d.uuid or 'UUID unknown'}, is unhealthy and will not be offered: {d.health_line()}."
+            )
+        elif d.not_ready:
+            notes.append(
+                f"{d.label()}, {d.uuid or 'UUID unknown'}, is not ready and will not be offered: {d.health_line()}."
+            )
     notes.extend(parse_notes)
     if visible is not None:
         hidden = [d for d in devices if d.index not in visible]
@@ -343,7 +399,7 @@ def _survey_nvidia(env: Mapping[str, str]) -> Gpus:
                 "see other cards unless it sets CUDA_DEVICE_ORDER=PCI_BUS_ID (or use GPU- UUIDs)."
             )
     order = visible if visible is not None else tuple(range(len(devices)))
-    offered = tuple(devices[i] for i in order if devices[i].usable)
+    offered = tuple(devices[i] for i in order if devices[i].healthy)
     return Gpus(
         driver_version=driver,
         cuda_driver_version=cuda,
@@ -364,9 +420,16 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         if spec.devices is not None:
             listed = ",".join(str(i) for i in spec.devices)
             notes.append(f"devices ({listed}) is ignored with cpu_only: no GPU is offered to the run.")
+        if spec.expect_gpus is not None:
+            notes.append(f"expect_gpus ({spec.expect_gpus}) is ignored with cpu_only: no GPU is checked.")
         return None
 
-    gpus = survey()
+    from prepare import driver_dir
+
+    # Before NVML: on a box that is not NixOS, this is also where a
+    # Nix-built fdl-prepare finds NVML itself.
+    driver_dir.ensure(spec.driver_dir, notes)
+    gpus = survey(driver_dir=spec.driver_dir)
     notes.extend(gpus.notes)
     devices = gpus.devices
     amd = gpus.amd
@@ -375,7 +438,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         raise permanent(
             f"GPU gate: NVML reports no NVIDIA device (driver {gpus.driver_version or 'version unknown'} is "
             "loaded). `nvidia-smi -L` and `lspci | grep -i nvidia` show what the machine has; a container "
-            f"needs the GPUs passed in (the NVIDIA container toolkit), {_CPU_ONLY}."
+            f"needs the GPUs passed in (the NVIDIA container toolkit), {_CPU_ONLY}.",
+            reason="gpu.no-device",
         )
 
     if spec.devices is not None:
@@ -387,7 +451,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
                 f"GPU gate: devices = {list(spec.devices)} (--devices) names "
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {len(devices)} device(s), indices 0-{len(devices) - 1}. Change devices in [join] "
-                "(or --devices) to indices that exist; `fdl-prepare gpus` lists them."
+                "(or --devices) to indices that exist; `fdl-prepare gpus` lists them.",
+                reason="gpu.device-absent",
             )
         if absent:
             have = [
@@ -400,7 +465,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {' and '.join(have) or 'no GPU the runtimes can see'} (each vendor numbers "
                 "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
-                "exist; `fdl-prepare gpus` lists them."
+                "exist; `fdl-prepare gpus` lists them.",
+                reason="gpu.device-absent",
             )
         kept = tuple(d for d in gpus.offered if d.index in wanted)
         gpus = replace(gpus, offered=kept, devices_mask=wanted)
@@ -424,13 +490,20 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             f"a lost GPU needs a reset (`sudo nvidia-smi -r`) or a reboot, {_CPU_ONLY}."
         )
         if amd is None or not amd_devices:
-            raise permanent("GPU gate: no usable GPU: " + nvidia_why)
+            raise permanent("GPU gate: no usable GPU: " + nvidia_why, reason="gpu.unusable")
         message = "GPU gate: no usable GPU: " + _no_usable_amd(amd) + "."
         if devices:
             message += " NVIDIA: " + nvidia_why
         elif gpus.nvidia_error is not None:
             message += f" No NVIDIA GPU either ({gpus.nvidia_error})."
-        raise permanent(message)
+        # A ROCm runtime that cannot open the device nodes is this user's or
+        # this container's access, not the cards.
+        raise permanent(message, reason="gpu.no-access" if amd.blocked is not None else "gpu.unusable")
+    # Usable NVIDIA cards the masks leave, none of them healthy: what stops
+    # the box is the cards' health, not the masks.
+    left = [d for d in usable if gpus.masked_by(d.index) is None]
+    if not gpus.offered and not gpus.amd_offered and left:
+        raise _no_healthy(gpus, left)
     if not gpus.offered and not gpus.amd_offered:
         masks = []
         if gpus.cuda_visible_devices is not None and (devices or amd is None):
@@ -457,8 +530,11 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             + f". Fix {variables} in the worker's environment (unset "
             + ("it" if amd is None else "them")
             + " to see every card) or devices in [join] (--devices); `fdl-prepare gpus` lists the cards and what "
-            "masks them."
+            "masks them.",
+            reason="gpu.masked",
         )
+    if spec.expect_gpus is not None:
+        _check_expected(gpus, spec.expect_gpus)
     if amd is not None:
         # The same image serves either vendor: say which cards this box offers.
         lines = [_offered_note(gpus)]
@@ -467,6 +543,101 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         notes.extend(lines)
         gpus = replace(gpus, notes=gpus.notes + tuple(lines))
     return gpus
+
+
+def _check_expected(gpus: Gpus, expected: int) -> None:
+    """`expect_gpus`: the box must offer that many healthy cards of the
+    vendor its run uses. Each one short is named: missing from the driver's
+    list (fallen off the bus), unusable, sick, not ready, or masked."""
+    vendor = gpus.primary_vendor
+    offered: tuple[int, ...]
+    short: list[str] = []
+    not_ready = 0
+    if vendor == AMD and gpus.amd is not None:
+        amd = gpus.amd
+        offered = amd.offered_indices
+        count, name, lister = amd.runtime_count, "AMD", "the ROCm runtime"
+        for a in amd.devices:
+            if a.index is not None and a.index in offered:
+                continue
+            why = f"unusable: {a.error}" if not a.usable else f"masked by {amd.masked_by(a.index) or 'the masks'}"
+            short.append(f"{a.label()} is {why}")
+    else:
+        offered = gpus.offered_indices
+        count, name, lister = len(gpus.devices), "NVIDIA", "NVML"
+        for d in gpus.devices:
+            if d.index in offered:
+                continue
+            if not d.usable:
+                short.append(f"{d.label()} is unusable: {d.error}")
+            elif d.problems or d.not_ready:
+                short.append(f"{d.label()}: {d.health_line()}")
+                not_ready += bool(d.not_ready and not d.problems)
+            else:
+                short.append(f"{d.label()} is masked by {gpus.masked_by(d.index) or 'the masks'}")
+    if len(offered) >= expected:
+        return
+    if count < expected:
+        gone = f"GPU {count}" if expected - count == 1 else f"GPUs {count}-{expected - 1}"
+        short.append(
+            f"{gone} {'is' if expected - count == 1 else 'are'} missing: {lister} lists {count} "
+            f"{name} GPU{'s' if count != 1 else ''}"
+        )
+    said = (
+        f"GPU gate: expect_gpus = {expected} (--expect-gpus), but this box offers {len(offered)} healthy {name} "
+        f"GPU{'s' if len(offered) != 1 else ''}"
+        + (f" ({', '.join(str(i) for i in offered)})" if offered else "")
+        + ": "
+        + "; ".join(short)
+        + ". "
+    )
+    if len(offered) + not_ready >= expected:
+        raise transient(
+            said + "The cards still setting up their NVLink fabric may be ready on the next attempt, which retries.",
+            reason="gpu.fabric-not-ready",
+        )
+    raise permanent(
+        said + "A card missing from the list has usually fallen off the bus: `lspci | grep -i -e nvidia -e amd` shows "
+        "what the machine has, `sudo dmesg | grep -i -e xid -e nvrm -e amdgpu` why (Xid 79: fallen off the bus); "
+        "reboot, then reseat or replace it. Fix a sick card as said above, or change expect_gpus in [join] "
+        "(--expect-gpus) or the masks if this box is meant to offer fewer; `fdl-prepare gpus` lists the cards.",
+        reason="gpu.expected-missing",
+    )
+
+
+def _card_states(gpus: Gpus) -> str:
+    """Each NVIDIA card and what keeps it from the run, for a Fail."""
+    parts = []
+    for d in gpus.devices:
+        if not d.usable:
+            parts.append(f"{d.label()} is unusable: {d.error}")
+        elif d.problems or d.not_ready:
+            parts.append(f"{d.label()}: {d.health_line()}")
+        elif gpus.masked_by(d.index) is not None:
+            parts.append(f"{d.label()} is healthy but masked by {gpus.masked_by(d.index)}")
+        else:
+            parts.append(f"{d.label()} is healthy")
+    return "; ".join(parts)
+
+
+def _no_healthy(gpus: Gpus, left: Sequence[Device]) -> Fail:
+    """The masks leave usable cards and none is healthy. A card whose
+    NVLink fabric is still being set up may be ready on the next attempt
+    (transient); otherwise a person must reset, reboot or replace (permanent)."""
+    if any(d.not_ready for d in left):
+        return transient(
+            "GPU gate: no GPU is ready to train yet: "
+            + _card_states(gpus)
+            + ". The next attempt retries; `nvidia-smi -q | grep -i -A3 fabric` shows each card's fabric state.",
+            reason="gpu.fabric-not-ready",
+        )
+    return permanent(
+        "GPU gate: no healthy GPU: "
+        + _card_states(gpus)
+        + ". `nvidia-smi -q -i <index>` shows the driver's view of a card, `sudo dmesg | grep -i xid` its faults; "
+        f"{_CPU_ONLY}.",
+        reason="gpu.unhealthy",
+    )
 
 
 def _no_usable_amd(amd: AmdGpus) -> str:
@@ -529,6 +700,10 @@ def _nvidia_table(gpus: Gpus) -> str:
     for d in gpus.devices:
         if not d.usable:
             status = f"unusable: {d.error}"
+        elif d.problems:
+            status = "unhealthy, not offered: " + "; ".join(c.detail for c in d.problems)
+        elif d.not_ready:
+            status = "not ready, not offered: " + "; ".join(c.detail for c in d.not_ready)
         elif d.index in offered:
             status = "offered"
         else:
@@ -537,6 +712,22 @@ def _nvidia_table(gpus: Gpus) -> str:
             (str(d.index), d.name or "-", d.uuid or "-", d.capability_label or "-", _gib(d.memory_total), status)
         )
     return _aligned(head, rows, "offered: " + (", ".join(str(i) for i in gpus.offered_indices) or "none"))
+
+
+def format_health(gpus: Gpus) -> str:
+    """Each NVIDIA card's health checks, a line a card, with what fixes a
+    sick one; "" on a box without NVIDIA cards."""
+    if not gpus.devices:
+        return ""
+    lines = ["NVIDIA health (NVML):"]
+    for d in gpus.devices:
+        if not d.health:
+            lines.append(f"  GPU {d.index}: not read ({d.error or 'unusable'})")
+            continue
+        verdict = "sick" if d.problems else "not ready" if d.not_ready else "ok"
+        lines.append(f"  GPU {d.index}: {verdict}: " + "; ".join(c.detail for c in d.health))
+        lines += [f"    fix ({c.name}): {c.action}" for c in d.problems + d.not_ready if c.action]
+    return "\n".join(lines)
 
 
 def _amd_table(amd: AmdGpus) -> str:
@@ -661,6 +852,23 @@ def _by_prefix(prefix: str, candidates: Sequence[tuple[str, int]], what: str) ->
     return None, "it is ambiguous, matching " + ", ".join(f"GPU {i}" for i in matches) + ": give more of the UUID"
 
 
+def _init(pynvml: Any, driver_dir: str) -> None:
+    """nvmlInit, with NVML from the driver directory when the loader finds
+    none: a pip-installed fdl-prepare gets the host's through its linker
+    cache, a Nix-built one (whose glibc never reads that cache) through the
+    directory, as every other Nix-built program does."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as err:
+        if getattr(err, "value", None) != _LIBRARY_NOT_FOUND:
+            raise
+        from prepare import driver_dir as driver_dir_mod
+
+        if not driver_dir_mod.preload_nvml(driver_dir):
+            raise
+        pynvml.nvmlInit()
+
+
 def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
     """One device: every query is tried, the first failure that matters is
     kept as the reason the device is unusable. A name or memory size the
@@ -685,6 +893,15 @@ def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
     uuid = ask(pynvml.nvmlDeviceGetUUID, handle)
     capability = ask(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
     memory = ask(pynvml.nvmlDeviceGetMemoryInfo, handle, optional=True)
+    checks: tuple[Check, ...] = ()
+    if not errors:
+        from prepare import health
+
+        try:
+            checks = health.read(pynvml, handle, index)
+        except health.Lost as lost:
+            errors.append(f"reading its health: {lost.said}")
+            codes.append(_GPU_IS_LOST)
     device = Device(
         index=index,
         name=name,
@@ -693,6 +910,7 @@ def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
         memory_total=None if memory is None else int(memory.total),
         usable=not errors,
         error=errors[0] if errors else None,
+        health=checks,
     )
     return device, handle, (codes[0] if codes else None)
 

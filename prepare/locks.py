@@ -101,7 +101,7 @@ def _wait(fd: int, wait_s: float, stuck: str) -> float:
     while not _try(fd):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise transient(stuck)
+            raise transient(stuck, reason="lock.busy")
         time.sleep(min(pause, left))
         pause = min(pause * 2, _LAST_PAUSE_S)
     return time.monotonic() - start

@@ -32,12 +32,13 @@ else:  # pragma: no cover
 
 FILENAME = ".fdl-run.toml"
 
-_FIELDS = ("bin", "cwd", "build", "args", "run", "built", "published_epoch", "origin")
+_FIELDS = ("bin", "cwd", "build", "args", "smoke", "run", "built", "published_epoch", "origin")
 _TYPES: dict[str, tuple[type, str]] = {
     "bin": (str, "a string (a name or a path relative to cwd)"),
     "cwd": (str, "a string (a directory relative to the source root)"),
     "build": (str, "a string (a shell line)"),
     "args": (list, "a list of strings"),
+    "smoke": (list, "a list of strings (the smoke run's arguments; [] runs none)"),
     "run": (str, "a string (the run's identity)"),
     "built": (bool, "true or false"),
     "published_epoch": (int, "an integer (seconds since the epoch)"),
@@ -51,6 +52,7 @@ class Manifest:
     cwd: str | None = None
     build: str | None = None
     args: tuple[str, ...] | None = None
+    smoke: tuple[str, ...] | None = None
     run: str | None = None
     built: bool | None = None
     published_epoch: int | None = None
@@ -68,6 +70,9 @@ class Recipe:
     cwd: str = "."
     build: str | None = None
     args: tuple[str, ...] | None = None
+    # The smoke run's arguments: the manifest's where it has them (the
+    # publisher knows its binary), else the box's. Not part of the build.
+    smoke: tuple[str, ...] | None = None
     run_id: str | None = None
     built: bool | None = None
     published_epoch: int | None = None
@@ -89,7 +94,10 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
     try:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as bad:
-        raise transient(f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}") from None
+        raise transient(
+            f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}",
+            reason="source.manifest-invalid",
+        ) from None
     values: dict[str, Any] = {}
     for key in _FIELDS:
         if key not in table:
@@ -97,13 +105,14 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
         value = table[key]
         want, described = _TYPES[key]
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-        if ok and key == "args":
+        if ok and key in ("args", "smoke"):
             ok = all(isinstance(a, str) for a in value)
         if not ok:
             raise transient(
-                f"the run manifest {where} has {key} = {value!r}, expected {described}: publish a fixed {FILENAME}"
+                f"the run manifest {where} has {key} = {value!r}, expected {described}: publish a fixed {FILENAME}",
+                reason="source.manifest-invalid",
             )
-        values[key] = tuple(value) if key == "args" else value
+        values[key] = tuple(value) if key in ("args", "smoke") else value
     unknown = tuple(sorted(k for k in table if k not in _FIELDS))
     return Manifest(**values, unknown=unknown)
 
@@ -121,14 +130,17 @@ def read(source_root: str) -> Manifest | None:
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise transient(f"cannot read the run manifest {path}: {human.oserror(err)}") from None
+        raise transient(
+            f"cannot read the run manifest {path}: {human.oserror(err)}", reason="source.manifest-invalid"
+        ) from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as bad:
         line = raw[: bad.start].count(b"\n") + 1
         raise transient(
             f"the run manifest {path} is not UTF-8 (byte 0x{raw[bad.start]:02x} on line {line}): TOML is UTF-8; "
-            f"publish a fixed {FILENAME}"
+            f"publish a fixed {FILENAME}",
+            reason="source.manifest-invalid",
         ) from None
     return parse(text, where=path)
 
@@ -148,9 +160,12 @@ def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> 
     )
     if from_manifest:
         raise transient(
-            f"the run manifest {FILENAME} has {key} = {value!r}; it must be {rule}: publish a fixed {FILENAME}"
+            f"the run manifest {FILENAME} has {key} = {value!r}; it must be {rule}: publish a fixed {FILENAME}",
+            reason="source.manifest-invalid",
         )
-    raise permanent(f"source.{key} = {value!r} must be {rule}: fix [join.source] {key} (--source-{key})")
+    raise permanent(
+        f"source.{key} = {value!r} must be {rule}: fix [join.source] {key} (--source-{key})", reason="config.invalid"
+    )
 
 
 def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
@@ -176,11 +191,13 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
             raise transient(
                 f"the training source {source_url!r} has no run manifest ({FILENAME} at its root) and the box "
                 "declares no binary: nothing is published yet. Publish the run (`fdl publish` writes the "
-                f"manifest), or set source.bin (--source-bin) to build without one"
+                f"manifest), or set source.bin (--source-bin) to build without one",
+                reason="source.not-published",
             )
         raise transient(
             f"the run manifest {FILENAME} in {source_url!r} names no bin and the box declares none: publish a "
-            f"manifest with bin, or set source.bin (--source-bin)"
+            f"manifest with bin, or set source.bin (--source-bin)",
+            reason="source.manifest-invalid",
         )
     bin_ = _relative(got["bin"], "bin", origin_of["bin"], allow_dot=False)
     cwd = _relative(got["cwd"], "cwd", origin_of["cwd"], allow_dot=True) if got["cwd"] else "."
@@ -190,6 +207,7 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
         cwd=cwd,
         build=build,
         args=manifest.args if manifest is not None else None,
+        smoke=manifest.smoke if manifest is not None and manifest.smoke is not None else getattr(box, "smoke", None),
         run_id=manifest.run if manifest is not None else None,
         built=manifest.built if manifest is not None else None,
         published_epoch=manifest.published_epoch if manifest is not None else None,
@@ -252,11 +270,13 @@ def check_tree(recipe: Recipe, source_root: str, source_url: str) -> None:
     if "cwd" in recipe.from_manifest:
         raise transient(
             f"the run manifest {FILENAME} in {source_url!r} has cwd = {recipe.cwd!r}, which is not a directory of "
-            f"the published tree: publish a fixed {FILENAME}"
+            f"the published tree: publish a fixed {FILENAME}",
+            reason="source.manifest-invalid",
         )
     raise permanent(
         f"source.cwd = {recipe.cwd!r} is not a directory of the training source {source_url!r}: fix [join.source] "
-        "cwd (--source-cwd), or publish a manifest that sets it"
+        "cwd (--source-cwd), or publish a manifest that sets it",
+        reason="config.invalid",
     )
 
 

@@ -97,7 +97,8 @@ def _ensure_mountpoint(mountpoint: str) -> None:
     if os.path.lexists(mountpoint):
         raise permanent(
             f"the mountpoint {mountpoint} for data_source exists and is not a directory; remove it, "
-            f"or set `data_path` to a directory this user owns."
+            f"or set `data_path` to a directory this user owns.",
+            reason="data.mountpoint-unusable",
         )
     try:
         os.makedirs(mountpoint, exist_ok=True)
@@ -107,7 +108,8 @@ def _ensure_mountpoint(mountpoint: str) -> None:
             f"the mountpoint {mountpoint} for data_source does not exist and cannot be created: "
             f"{human.oserror(err)}. Create it once during provisioning "
             f"(`sudo mkdir -p {mountpoint} && sudo chown {user} {mountpoint}`), or set `data_path` "
-            f"to a directory this user owns."
+            f"to a directory this user owns.",
+            reason="data.mountpoint-unusable",
         ) from None
 
 
@@ -129,11 +131,17 @@ def _check_identity(ssh: SshSpec | None) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as err:
-        raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
+        raise permanent(
+            f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.",
+            reason="data.identity-unreadable",
+        ) from None
     try:
         os.read(fd, 1)
     except OSError as err:
-        raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
+        raise permanent(
+            f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.",
+            reason="data.identity-unreadable",
+        ) from None
     finally:
         os.close(fd)
 
@@ -187,7 +195,8 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
         _discard(mountpoint)
         raise transient(
             f"{where}: sshfs did not finish within {MOUNT_TIMEOUT_S:g}s (the far side accepts "
-            f"connections but does not answer){_quoted(late.stderr)}"
+            f"connections but does not answer){_quoted(late.stderr)}",
+            reason="data.unreachable",
         ) from None
     took = time.monotonic() - start
     if not done.ok:
@@ -217,7 +226,9 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
     # sshfs exits 0 only once its connection is up, so a zero exit with
     # nothing mounted means the far side went away mid-handshake.
     if not _is_sshfs_at(mountpoint):
-        raise transient(f"{where}: sshfs exited 0 but nothing is mounted there{_quoted(done.stderr)}")
+        raise transient(
+            f"{where}: sshfs exited 0 but nothing is mounted there{_quoted(done.stderr)}", reason="data.unreachable"
+        )
 
 
 def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str]) -> Fail:
@@ -231,10 +242,12 @@ def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str
             f"That is this box's configuration, not the far side: fix `ssh.options` (flag "
             f"--ssh-option: ssh_config options as Key=Value, or sshfs's own)"
             f"{' or the ssh_config file named there' if in_file else ''}. "
-            f"Try it by hand: `{shlex.join(verbose)}`"
+            f"Try it by hand: `{shlex.join(verbose)}`",
+            reason="config.invalid",
         )
     return transient(
-        f"{where} failed: sshfs exited {done.returncode}{_quoted(said)}. Try it by hand: `{shlex.join(verbose)}`"
+        f"{where} failed: sshfs exited {done.returncode}{_quoted(said)}. Try it by hand: `{shlex.join(verbose)}`",
+        reason="data.unreachable",
     )
 
 
@@ -253,7 +266,8 @@ def _is_sshfs_at(mountpoint: str) -> bool:
 def _no_sshfs(source: Source) -> Fail:
     return permanent(
         f"data_source `{source.url}` needs sshfs, which is not installed (not on PATH). Install it: "
-        f"{INSTALL_SSHFS}. Or mount the source during provisioning and declare only `data_path`."
+        f"{INSTALL_SSHFS}. Or mount the source during provisioning and declare only `data_path`.",
+        reason="data.sshfs-missing",
     )
 
 
@@ -272,7 +286,8 @@ def _unmount(mountpoint: str) -> None:
             continue
     raise transient(
         f"{mountpoint} carries a dead sshfs mount (transport endpoint not connected) that could not "
-        f"be unmounted; run `fusermount -u -z {mountpoint}`."
+        f"be unmounted; run `fusermount -u -z {mountpoint}`.",
+        reason="data.dead-mount",
     )
 
 

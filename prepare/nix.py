@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prepare import caches, proc
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail, Reason, permanent, transient
 from prepare.nix_diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix_log import Log, strip_ansi
 
@@ -152,7 +152,9 @@ class Nix:
 
     def _missing(self) -> Fail:
         path = (self.env or os.environ).get("PATH", "")
-        return permanent(f"nix is not installed: {self.program!r} is not on PATH ({path}); {INSTALL}")
+        return permanent(
+            f"nix is not installed: {self.program!r} is not on PATH ({path}); {INSTALL}", reason="nix.missing"
+        )
 
     # -- version -------------------------------------------------------------
     def check_version(self) -> tuple[int, int, int]:
@@ -169,7 +171,8 @@ class Nix:
         if version[:2] < OLDEST:
             raise permanent(
                 f"nix {'.'.join(map(str, version))} at {resolved} is older than {'.'.join(map(str, OLDEST))}, the "
-                f"oldest fdl-prepare supports (flakes and `nix build --json`); {INSTALL}"
+                f"oldest fdl-prepare supports (flakes and `nix build --json`); {INSTALL}",
+                reason="nix.too-old",
             )
         return version
 
@@ -193,25 +196,36 @@ class Nix:
         except ValueError:
             raise permanent(
                 f"{doing or 'evaluating ' + installable}: nix printed no JSON "
-                f"({outcome.completed.stdout[:200]!r}); is the flake's output a plain value?"
+                f"({outcome.completed.stdout[:200]!r}); is the flake's output a plain value?",
+                reason="nix.evaluation",
             ) from None
 
-    def prefetch(self, url: str, *, timeout: float = FETCH_TIMEOUT_S, doing: str | None = None) -> Prefetched:
+    def prefetch(
+        self,
+        url: str,
+        *,
+        timeout: float = FETCH_TIMEOUT_S,
+        doing: str | None = None,
+        unreachable: Reason = "nix.fetch",
+    ) -> Prefetched:
         """`nix flake prefetch --json url`. No caller fix: a fetch's failure
-        is never an evaluation error, so every category brings its own."""
+        is never an evaluation error, so every category brings its own.
+        `unreachable`: the reason a failed fetch gets (the training source's
+        is `source.unreachable`)."""
         self._ensure_registry()
         # tarball-ttl 0: a remote git ref (or tarball URL) is otherwise
         # resolved from Nix's cache for an hour, and a re-dial right after a
         # publish would build the previous commit.
         argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", url]
-        outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH)
+        outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH, unreachable=unreachable)
         try:
             data = json.loads(outcome.completed.stdout)
             return Prefetched(url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked"))
         except (ValueError, KeyError, TypeError):
             raise transient(
                 f"{doing or 'fetching ' + url}: `nix flake prefetch` printed no store path "
-                f"({outcome.completed.stdout[:200]!r}); the next attempt retries"
+                f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
+                reason="nix.fetch",
             ) from None
 
     def flake_identity(self, flake: str, *, timeout: float = FETCH_TIMEOUT_S) -> str | None:
@@ -287,7 +301,8 @@ class Nix:
         except (ValueError, TypeError):
             raise transient(
                 f"{doing}: nix build printed no JSON result of a known shape "
-                f"({outcome.completed.stdout[:200]!r}); the next attempt retries"
+                f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
+                reason="nix.unknown",
             ) from None
         return results, outcome.log
 
@@ -315,6 +330,7 @@ class Nix:
         *,
         fix: str | None = None,
         source_path: str | None = None,
+        unreachable: Reason = "nix.fetch",
     ) -> Outcome:
         log = Log(self.on_event)
         try:
@@ -325,7 +341,8 @@ class Nix:
             raise transient(
                 f"{doing} did not finish within {late.timeout:g}s; {what} was stopped. "
                 + (slow_fix if phase == BUILD else "")
-                + "the next attempt retries"
+                + "the next attempt retries",
+                reason="nix.timeout",
             ) from None
         outcome = Outcome(completed, log)
         # Before the call's own outcome: a daemon that dropped the box's
@@ -335,7 +352,9 @@ class Nix:
         if dropped is not None:
             raise dropped
         if not outcome.ok:
-            raise explain(phase, log, completed.returncode, doing, fix=fix, source_path=source_path)
+            raise explain(
+                phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable
+            )
         return outcome
 
 
@@ -360,12 +379,15 @@ def _version(resolved: str, env: Mapping[str, str] | None, cache_file: str) -> t
         try:
             done = proc.run([resolved, "--version"], timeout=60, env=env)
         except proc.TimedOut:
-            raise transient(f"`{resolved} --version` did not answer within 60s; the next attempt retries") from None
+            raise transient(
+                f"`{resolved} --version` did not answer within 60s; the next attempt retries", reason="nix.timeout"
+            ) from None
         version = parse_nix_version(done.stdout)
         if done.returncode != 0 or version is None:
             raise permanent(
                 f"`{resolved} --version` failed (exit {done.returncode}): "
-                f"{strip_ansi(done.stderr or done.stdout).strip()[:500]!r}; reinstall nix: {INSTALL}"
+                f"{strip_ansi(done.stderr or done.stdout).strip()[:500]!r}; reinstall nix: {INSTALL}",
+                reason="nix.broken",
             )
         _remember_version(cache_file, key, version)
     _VERSIONS[key] = version
@@ -434,7 +456,8 @@ def build_tmpdir(env: Mapping[str, str]) -> str | None:
         f"Nix's build users (nixbld) cannot enter TMPDIR={current!r}, nor /tmp or /var/tmp: a single-user Nix run "
         'as root builds there as those users, so every build would fail with "Permission denied". This is the '
         "box's setup, not the flake: make one of them enterable (`chmod 1777 /tmp`), or set TMPDIR to a "
-        "directory every user can enter"
+        "directory every user can enter",
+        reason="nix.build-dir",
     )
 
 

@@ -17,7 +17,7 @@ import functools
 import re
 from dataclasses import dataclass
 
-from prepare.fail import Fail
+from prepare.fail import Fail, Reason
 from prepare.nix_log import Activity, Log
 
 # The phase a nix call belongs to: what an error record means depends on it.
@@ -234,14 +234,48 @@ _FIXES = {
     "publishing again copies only what is missing",
 }
 
+# The reason code of each category (README: Reason codes). Its kind is the
+# Diagnosis's, decided in `diagnose`; tests/test_reasons.py holds the two to
+# the README's table.
+REASONS: dict[str, Reason] = {
+    "hash-mismatch": "nix.hash-mismatch",
+    "no-space": "nix.no-space",
+    "build-users": "nix.build-users-missing",
+    "daemon-refused": "nix.daemon-refused",
+    "store-permission": "nix.store-not-writable",
+    "build-dir": "nix.build-dir",
+    "daemon": "nix.daemon-unreachable",
+    "timeout": "nix.timeout",
+    "builder": "nix.build-failed",
+    "flake-builder": "nix.flake-build-failed",
+    "bad-url": "nix.bad-url",
+    "fetch": "nix.fetch",
+    "evaluation": "nix.evaluation",
+    "unknown": "nix.unknown",
+    "signing": "publish.signing-failed",
+    "cache-refused": "publish.cache-refused",
+    "cache": "publish.cache-unreachable",
+}
 
-def failure(diagnosis: Diagnosis, doing: str, *, fix: str | None = None, extra: str = "") -> Fail:
+
+def failure(
+    diagnosis: Diagnosis,
+    doing: str,
+    *,
+    fix: str | None = None,
+    extra: str = "",
+    unreachable: Reason = "nix.fetch",
+) -> Fail:
     """An operator-facing Fail: what was being done, what Nix said, the fix.
 
     `fix` is the caller's word for an evaluation error only (it knows which
     setting names the flake); every other category has one cause whatever
     the call, and its own fix: an input fetch that fails while the flake is
-    evaluated is the network's fault, not the flake's, and says retry."""
+    evaluated is the network's fault, not the flake's, and says retry.
+
+    `unreachable` is the reason a failed fetch gets: the caller knows
+    whether the fetch was the training source's (`source.unreachable`) or an
+    input of the flake's (`nix.fetch`)."""
     detail = _clip(diagnosis.detail)
     # Nix words the same refusal differently across versions (2.26 takes an
     # unparsable URL for a relative path); the operator and a fleet's log
@@ -252,7 +286,8 @@ def failure(diagnosis: Diagnosis, doing: str, *, fix: str | None = None, extra: 
         message += f"\n{extra}"
     chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
     message += f"\nFix: {chosen}"
-    return Fail(message, permanent=diagnosis.permanent)
+    reason = unreachable if diagnosis.category == "fetch" else REASONS[diagnosis.category]
+    return Fail(message, permanent=diagnosis.permanent, reason=reason)
 
 
 def _clip(text: str, limit: int = 3000) -> str:
@@ -261,7 +296,14 @@ def _clip(text: str, limit: int = 3000) -> str:
 
 
 def explain(
-    phase: str, log: Log, returncode: int | None, doing: str, *, fix: str | None = None, source_path: str | None = None
+    phase: str,
+    log: Log,
+    returncode: int | None,
+    doing: str,
+    *,
+    fix: str | None = None,
+    source_path: str | None = None,
+    unreachable: Reason = "nix.fetch",
 ) -> Fail:
     """The Fail for a nix call that exited non-zero: the diagnosis, refined
     with what only the caller knows (which tree is the training source), and
@@ -278,7 +320,7 @@ def explain(
         # git and ssh write the actual cause (refused, unknown ref,
         # bad host key) as plain lines; Nix only says git failed.
         extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
-    return failure(diagnosis, doing, fix=fix, extra=extra)
+    return failure(diagnosis, doing, fix=fix, extra=extra, unreachable=unreachable)
 
 
 # The store name of the training source as the training derivation gets it:

@@ -6,7 +6,9 @@
    evaluation, so a card the variant cannot serve is refused before anything
    is downloaded;
 5. the training source (fetched, its manifest merged over the box's recipe),
-   then the build: minutes and gigabytes.
+   then the build: minutes and gigabytes;
+6. the smoke run, when the recipe asks for one: the built binary run once,
+   last, since it needs everything before it.
 
 A box that has no usable GPU, or an unwritable stage directory, must find out
 before a cold build has been spent on it. And all of it runs before the
@@ -72,6 +74,11 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
                 source = build.fetch_source(session)
             with _timed(timings, "build"):
                 built = build.build_outputs(session, variant, source)
+        if built.bin is not None and built.smoke:
+            from prepare import smoke
+
+            with _timed(timings, "smoke"):
+                smoke.run(built.bin, built.smoke, spec.smoke_timeout_s, notes)
 
     # The cards the run uses are the chosen libtorch's vendor's (a CPU build
     # leaves them idle but they stay offered, in the numbering auto favours).

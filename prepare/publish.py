@@ -152,10 +152,13 @@ def publish(
         if missing:
             raise permanent(
                 f"--variant {', '.join(repr(v) for v in missing)}: not a variant of the flake {session.flake!r}, "
-                f"which has: {', '.join(sorted(known))}. Publish the variants the boxes pick (their libtorch)"
+                f"which has: {', '.join(sorted(known))}. Publish the variants the boxes pick (their libtorch)",
+                reason="publish.invalid",
             )
         session.step("fetch", f"training source {url}")
-        fetched = session.nix.prefetch(url, doing=f"fetching the training source {url!r}")
+        fetched = session.nix.prefetch(
+            url, doing=f"fetching the training source {url!r}", unreachable="source.unreachable"
+        )
         source = build_mod.Source(fetched=fetched, recipe=_recipe(spec, fetched.store_path))
         for label in variants:
             session.spec = replace(box, libtorch=label)
@@ -189,32 +192,41 @@ def publish(
 def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], str]:
     root = os.path.abspath(spec.source)
     if not os.path.isdir(root):
-        raise permanent(f"the training source {spec.source!r} is not a directory: give the tree to publish")
+        raise permanent(
+            f"the training source {spec.source!r} is not a directory: give the tree to publish",
+            reason="publish.invalid",
+        )
     if any(c.isspace() for c in root):
         raise permanent(
             f"the training source {root!r} contains whitespace, which Nix refuses in a URL: move or link it to a "
-            "path without spaces"
+            "path without spaces",
+            reason="publish.invalid",
         )
     for name, value, allow_dot in (("--bin", spec.bin, False), ("--cwd", spec.cwd, True)):
         _relative(name, value, allow_dot)
     variants = tuple(dict.fromkeys(v.strip() for v in spec.variants))
     if not variants or any(not v for v in variants):
-        raise permanent("no --variant given: name each libtorch variant the boxes use (--variant cpu --variant cu128)")
+        raise permanent(
+            "no --variant given: name each libtorch variant the boxes use (--variant cpu --variant cu128)",
+            reason="publish.invalid",
+        )
     if "auto" in variants:
         raise permanent(
             '--variant "auto" is a box\'s choice, made from its cards: publish the variants themselves '
-            "(--variant cpu --variant cu128)"
+            "(--variant cpu --variant cu128)",
+            reason="publish.invalid",
         )
     to = spec.to.strip()
     problem = store_urls([to])
     if problem:
-        raise permanent(f"--to {spec.to!r}: {problem}")
+        raise permanent(f"--to {spec.to!r}: {problem}", reason="publish.invalid")
     key = spec.signing_key
     if not os.path.isfile(key) or not os.access(key, os.R_OK):
         raise permanent(
             f"--signing-key {key!r} is not a readable file: give the secret key file the boxes' "
             "trusted_public_keys belong to (`nix key generate-secret --key-name NAME > FILE`, and "
-            "`nix key convert-secret-to-public < FILE` for the boxes)"
+            "`nix key convert-secret-to-public < FILE` for the boxes)",
+            reason="publish.invalid",
         )
     mode = os.stat(key).st_mode
     if mode & (stat.S_IRGRP | stat.S_IROTH):
@@ -222,7 +234,8 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
     if (spec.commit or spec.push) and not os.path.exists(os.path.join(root, ".git")):
         raise permanent(
             f"--commit/--push need a git checkout, and {root} is not one: drop them; boxes that fetch this "
-            "directory see the manifest on their next attempt"
+            "directory see the manifest on their next attempt",
+            reason="publish.invalid",
         )
     if spec.push and not spec.commit:
         notes.append("--push commits the manifest first (--commit is implied)")
@@ -233,13 +246,16 @@ def _relative(name: str, value: str, allow_dot: bool) -> None:
     norm = posixpath.normpath(value.strip()) if value.strip() else ""
     if not norm or posixpath.isabs(norm) or norm == ".." or norm.startswith("../") or (norm == "." and not allow_dot):
         what = "a directory relative to the source root" if name == "--cwd" else "a name or a path relative to --cwd"
-        raise permanent(f"{name} {value!r} must be {what}, without '..'")
+        raise permanent(f"{name} {value!r} must be {what}, without '..'", reason="publish.invalid")
 
 
 def _recipe(spec: PublishSpec, tree: str) -> manifest_mod.Recipe:
     cwd = posixpath.normpath(spec.cwd.strip())
     if not os.path.isdir(os.path.join(tree, cwd)):
-        raise permanent(f"--cwd {spec.cwd!r} is not a directory of the training source (as fetched: {tree})")
+        raise permanent(
+            f"--cwd {spec.cwd!r} is not a directory of the training source (as fetched: {tree})",
+            reason="publish.invalid",
+        )
     return manifest_mod.Recipe(
         bin=posixpath.normpath(spec.bin.strip()),
         cwd=cwd,
@@ -261,7 +277,8 @@ def _remove_manifest(path: str, notes: list[str]) -> None:
     except OSError as err:
         raise permanent(
             f"cannot remove the previous run manifest {path}: {human.oserror(err)}. It must go before anything is "
-            "built, so no box runs it meanwhile: make the tree writable for this user"
+            "built, so no box runs it meanwhile: make the tree writable for this user",
+            reason="publish.tree-unwritable",
         ) from None
     run = previous.run if previous is not None and previous.run else "without a run id"
     notes.append(
@@ -286,7 +303,8 @@ def _flake_variants(session: build_mod.Session) -> dict[str, variants_mod.Varian
     if contract != build_mod.CONTRACT:
         raise permanent(
             f"the flake {session.flake!r} speaks contract {contract!r}, this fdl-prepare speaks "
-            f"{build_mod.CONTRACT}: point --flake at a matching revision"
+            f"{build_mod.CONTRACT}: point --flake at a matching revision",
+            reason="flake.contract-mismatch",
         )
     return variants_mod.parse_variants(meta.get("variants"), session.flake)
 
@@ -304,7 +322,10 @@ def _variant(
     with _step(label, "build", timings):
         built = build_mod.build_outputs(session, variant, source, link=f"publish-{label}")
     if built.libtorch is None or built.bin is None:
-        raise permanent(f"variant {label}: the build made no training binary; the flake breaks the contract")
+        raise permanent(
+            f"variant {label}: the build made no training binary; the flake breaks the contract",
+            reason="flake.contract-broken",
+        )
     training = os.path.dirname(os.path.dirname(built.bin.path))
     paths = [built.libtorch.path, training]
     with _step(label, "sign", timings):
@@ -334,6 +355,7 @@ def _step(label: str, name: str, timings: dict[str, float]) -> Iterator[None]:
             f"publish stopped at variant {label}, step {name}; no manifest was written, so boxes wait for the "
             f"next publish: {fail.message}",
             permanent=fail.permanent,
+            reason=fail.reason,
         ) from None
     finally:
         timings[f"{label}.{name}"] = round(time.monotonic() - started, 4)
@@ -387,7 +409,8 @@ def _write_atomically(path: str, text: str) -> None:
     except OSError as err:
         raise permanent(
             f"cannot write the run manifest {path}: {human.oserror(err)}; the outputs are in the cache, so a "
-            "publish once the tree is writable only writes it"
+            "publish once the tree is writable only writes it",
+            reason="publish.tree-unwritable",
         ) from None
     finally:
         with contextlib.suppress(OSError):
@@ -407,9 +430,14 @@ def _git(root: str, *args: str, timeout: float = GIT_TIMEOUT_S) -> proc.Complete
     try:
         return proc.run(["git", "-C", root, *args], timeout=timeout)
     except proc.Missing:
-        raise permanent(f"{root} is a git checkout but git is not installed: `sudo apt-get install git`") from None
+        raise permanent(
+            f"{root} is a git checkout but git is not installed: `sudo apt-get install git`",
+            reason="publish.git-missing",
+        ) from None
     except proc.TimedOut:
-        raise transient(f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s") from None
+        raise transient(
+            f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s", reason="publish.git-timeout"
+        ) from None
 
 
 def _git_rev(root: str, notes: list[str]) -> str | None:
@@ -422,11 +450,15 @@ def _git_rev(root: str, notes: list[str]) -> str | None:
     if top.ok and os.path.realpath(top.stdout.strip()) != os.path.realpath(root):
         raise permanent(
             f"{root} is inside the git checkout {top.stdout.strip()}: publish its top level (the manifest goes "
-            "at the root boxes fetch) and name this directory with --cwd"
+            "at the root boxes fetch) and name this directory with --cwd",
+            reason="publish.invalid",
         )
     head = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
     if not head.ok:
-        raise permanent(f"{root} is a git checkout with no commit to publish: commit the training source first")
+        raise permanent(
+            f"{root} is a git checkout with no commit to publish: commit the training source first",
+            reason="publish.invalid",
+        )
     rev = head.stdout.strip()
     dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
     changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] != manifest_mod.FILENAME and line.strip()]
@@ -444,7 +476,8 @@ def _same_head(root: str, rev: str) -> None:
     if head.ok and head.stdout.strip() != rev:
         raise transient(
             f"HEAD of {root} moved from {rev[:12]} to {head.stdout.strip()[:12]} during the publish: a manifest "
-            "on it would describe a tree that was not built. No manifest was written; publish again"
+            "on it would describe a tree that was not built. No manifest was written; publish again",
+            reason="publish.head-moved",
         )
 
 
@@ -470,7 +503,8 @@ def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tu
     if not done.ok:
         raise permanent(
             f"the manifest is written but `git commit` failed: {(done.stderr or done.stdout).strip()[-500:]}. "
-            f"Commit it by hand: {by_hand}"
+            f"Commit it by hand: {by_hand}",
+            reason="publish.git-failed",
         )
     commit = _git(root, "rev-parse", "HEAD").stdout.strip()
     if not spec.push:
@@ -479,6 +513,7 @@ def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tu
     if not pushed.ok:
         raise transient(
             f"the manifest is committed ({commit[:12]}) but `git push` failed: "
-            f"{(pushed.stderr or pushed.stdout).strip()[-500:]}. Push it: git -C {root} push"
+            f"{(pushed.stderr or pushed.stdout).strip()[-500:]}. Push it: git -C {root} push",
+            reason="publish.push-failed",
         )
     return commit, True, None

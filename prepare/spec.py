@@ -44,6 +44,9 @@ class SourceSpec:
     cwd: str | None = None
     build: str | None = None
     bin: str | None = None
+    # Arguments of one run of the built binary before prepare succeeds
+    # (prepare.smoke); None or empty: no smoke run.
+    smoke: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,14 @@ class PrepareSpec:
     libtorch: str | None = None
     # Indices this box offers to the run, in its vendor's numbering, applied after the masks.
     devices: tuple[int, ...] | None = None
+    # How many healthy GPUs the box must offer: a fleet that knows its boxes
+    # have 8 cards stops one that lost a card off the bus, or has a sick one.
+    expect_gpus: int | None = None
     cpu_only: bool = False
+    # Where the host's NVIDIA libraries are linked for Nix-built programs on
+    # a box that is not NixOS (prepare.driver_dir): the path nixpkgs'
+    # addDriverRunpath bakes into them.
+    driver_dir: str = "/run/opengl-driver/lib"
     flake: str | None = None
     # Where GC roots for built outputs live; None picks a per-user default.
     state_dir: str | None = None
@@ -101,6 +111,8 @@ class PrepareSpec:
     list_timeout_s: float = 10.0
     # A build stuck past this many seconds is abandoned (transient). None: no limit.
     build_timeout_s: float | None = None
+    # The smoke run is stopped after this many seconds (transient).
+    smoke_timeout_s: float = 60.0
     # Ignore what earlier attempts settled (<state>/warm.json): evaluate the
     # flake and build as on a first attempt, then record afresh.
     refresh: bool = False

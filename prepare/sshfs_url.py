@@ -69,7 +69,9 @@ _GRAMMAR = "expected `sshfs://[user@]host[:port]/abs/path` (or the scp spelling 
 
 
 def _bad(value: str, why: str) -> Fail:
-    return permanent(f"data_source {value!r} {why}; {_GRAMMAR}. Fix `data_source` (flag --data-source).")
+    return permanent(
+        f"data_source {value!r} {why}; {_GRAMMAR}. Fix `data_source` (flag --data-source).", reason="config.invalid"
+    )
 
 
 def parse_source(value: str) -> Source:
@@ -96,7 +98,8 @@ def _scheme(value: str) -> tuple[str, str]:
                 f"data_source {value!r} is a path, not a source: a directory that is already "
                 f"there (provisioned, or mounted by another tool) goes in `data_path` "
                 f"(--data-path {text}); `data_source` is for a source fdl-prepare mounts, "
-                f"e.g. `sshfs://user@host:/flodl/data`."
+                f"e.g. `sshfs://user@host:/flodl/data`.",
+                reason="config.invalid",
             )
         raise _bad(value, "names no scheme")
     scheme, rest = text.split("://", 1)
@@ -106,7 +109,8 @@ def _scheme(value: str) -> tuple[str, str]:
         raise permanent(
             f"data_source {value!r} uses the scheme `{scheme}://`, which fdl-prepare does not "
             f"mount; it mounts `sshfs://` only. A source another tool already mounted needs no "
-            f"scheme: name its local path in `data_path` instead, and drop `data_source`."
+            f"scheme: name its local path in `data_path` instead, and drop `data_source`.",
+            reason="config.invalid",
         )
     return scheme, rest
 
@@ -128,7 +132,8 @@ def _user(value: str, scheme: str, authority: str, path: str) -> tuple[str | Non
             f"fdl-prepare does not send passwords (no prompt can be answered under systemd). "
             f"Authenticate with a key instead: drop `:password` from `data_source` (flag "
             f"--data-source) and set `ssh.identity_file` (flag --identity-file) to a private "
-            f"key the data host accepts."
+            f"key the data host accepts.",
+            reason="config.invalid",
         )
     return user, authority
 

@@ -136,7 +136,8 @@ def parse_variants(raw: Any, flake: str) -> dict[str, Variant]:
         raise permanent(
             f"the flake {flake!r} lists no libtorch variants (fdl.variants is {raw!r}); "
             "it does not follow the fdl-prepare flake contract (nix/CONTRACT.md): fix the flake "
-            "or point `flake` (--flake) at one that does"
+            "or point `flake` (--flake) at one that does",
+            reason="flake.contract-broken",
         )
     out: dict[str, Variant] = {}
     for key, meta in raw.items():
@@ -159,7 +160,8 @@ def parse_variants(raw: Any, flake: str) -> dict[str, Variant]:
             raise permanent(
                 f"the flake {flake!r} has malformed metadata for libtorch variant {key!r}: {bad}; "
                 'each variant needs label, cuda ("12.8" or null) and archs (["8.6", "9.0+PTX", ...]), and a ROCm '
-                'one vendor = "amd", rocm ("7.0") and gfx (["gfx942", ...]), as nix/CONTRACT.md describes: fix the flake'
+                'one vendor = "amd", rocm ("7.0") and gfx (["gfx942", ...]), as nix/CONTRACT.md describes: fix the flake',
+                reason="flake.contract-broken",
             ) from None
         out[str(key)] = Variant(label=label, cuda=cuda, archs=archs, vendor=vendor, gfx=gfx, rocm=rocm)
     return out
@@ -235,7 +237,8 @@ def choose(
             raise permanent(
                 f"libtorch = {wanted!r} needs a GPU, but cpu_only is set (--cpu-only), which allows only "
                 f'the {CPU!r} variant: set libtorch = "{CPU}" (--libtorch {CPU}) or "auto", or drop '
-                "cpu_only (--no-cpu-only) on a box with a GPU"
+                "cpu_only (--no-cpu-only) on a box with a GPU",
+                reason="config.invalid",
             )
         wanted = CPU
     if wanted == AUTO:
@@ -245,7 +248,8 @@ def choose(
         if wanted not in variants:
             raise permanent(
                 f"libtorch = {wanted!r} is not a variant of the flake {flake!r}; it has: {_listing(variants)}. "
-                'Set libtorch (--libtorch) to one of those or to "auto", or add the variant by overriding the flake'
+                'Set libtorch (--libtorch) to one of those or to "auto", or add the variant by overriding the flake',
+                reason="libtorch.unknown-variant",
             )
         variant = variants[wanted]
     check_coverage(variant, gpus, variants)
@@ -269,7 +273,8 @@ def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> tup
         if CPU not in variants:
             raise permanent(
                 f'libtorch = "auto" on a box with no GPU needs a {CPU!r} variant, and the flake {flake!r} has '
-                f"none (it has: {_listing(variants)}): set libtorch (--libtorch) to one of those or fix the flake"
+                f"none (it has: {_listing(variants)}): set libtorch (--libtorch) to one of those or fix the flake",
+                reason="libtorch.no-variant",
             )
         return variants[CPU], "no GPU offered"
     if not amd:
@@ -300,7 +305,8 @@ def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> tup
         except Fail as also:
             raise permanent(
                 f'libtorch = "auto" found no variant for either vendor on this box. {name[first]}: '
-                f"{missed.message}. {name[second]}: {also.message}"
+                f"{missed.message}. {name[second]}: {also.message}",
+                reason="libtorch.no-variant",
             ) from None
         return variant, f"{why}; {mixed}, and no variant serves the {name[first]} ones"
     reason = "more of them" if count[first] != count[second] else "as many, and NVIDIA wins a tie"
@@ -329,7 +335,8 @@ def _auto_cuda(variants: Mapping[str, Variant], gpus: Gpus, flake: str) -> Varia
         f'libtorch = "auto" found no variant for this box: {reason}. Offered: {cards}. '
         f"Variants of the flake {flake!r}: {_listing(variants)}. Fix: update the NVIDIA driver, "
         "offer only covered cards with devices (--devices), or set libtorch (--libtorch) explicitly "
-        "(add a variant for these cards by overriding the flake)"
+        "(add a variant for these cards by overriding the flake)",
+        reason="libtorch.no-variant",
     )
 
 
@@ -349,7 +356,8 @@ def _auto_rocm(variants: Mapping[str, Variant], gpus: Gpus, flake: str) -> Varia
         f'libtorch = "auto" found no variant for this box: {reason}. Offered: {cards}. '
         f"Variants of the flake {flake!r}: {_listing(variants)}. Fix: offer only covered cards with devices "
         "(--devices) or ROCR_VISIBLE_DEVICES, or add a ROCm variant built for these targets by overriding the "
-        'flake (nix/CONTRACT.md, "Adding a variant"), or, for a CPU-only worker, pass --cpu-only'
+        'flake (nix/CONTRACT.md, "Adding a variant"), or, for a CPU-only worker, pass --cpu-only',
+        reason="libtorch.no-variant",
     )
 
 
@@ -397,7 +405,8 @@ def check_coverage(variant: Variant, gpus: Gpus | None, variants: Mapping[str, V
         )
     raise permanent(
         f"libtorch {variant.label} ships no kernel for {cards}: its CUDA archs are {variant.archs_text}. "
-        f"Nothing was downloaded. Fix: {'; or '.join(fixes)}"
+        f"Nothing was downloaded. Fix: {'; or '.join(fixes)}",
+        reason="libtorch.arch-uncovered",
     )
 
 
@@ -430,7 +439,8 @@ def _check_gfx(variant: Variant, offered: Sequence[AmdDevice], variants: Mapping
         )
     raise permanent(
         f"libtorch {variant.label} ships no kernel for {cards}: its ROCm gfx targets are {variant.gfx_text}, and "
-        f"an AMD GPU runs only kernels built for its own target. Nothing was downloaded. Fix: {'; or '.join(fixes)}"
+        f"an AMD GPU runs only kernels built for its own target. Nothing was downloaded. Fix: {'; or '.join(fixes)}",
+        reason="libtorch.arch-uncovered",
     )
 
 
@@ -456,7 +466,8 @@ def _refuse_other_vendor(variant: Variant, gpus: Gpus | None, variants: Mapping[
     raise permanent(
         f"libtorch {variant.label} is a {variant.runtime} build, but this box offers {have} GPUs only ({cards}): "
         f'it cannot run on them. Set libtorch = "auto" (--libtorch auto) {pick}, or pass --cpu-only on a '
-        "CPU-only worker"
+        "CPU-only worker",
+        reason="libtorch.wrong-vendor",
     )
 
 

@@ -6,6 +6,7 @@ pytest_plugins.append("module_fixtures")
 pytest_plugins.append("nix_fixtures")
 pytest_plugins.append("amd_fixtures")
 pytest_plugins.append("fleet_fixtures")
+pytest_plugins.append("driver_fixtures")
 
 
 def pytest_sessionfinish(session: object, exitstatus: int) -> None:

@@ -35,11 +35,17 @@ the host's own driver would still be found, in which case such tests skip.
 
 Cards (`FakeGpu`): name, uuid (default derived from the index), capability,
 memory (bytes), fail (an NVML error code every query, or only `fail_on`,
-returns: "all", "handle", "name", "uuid", "cc", "mem", "mig"), mig (MIG
-instance UUIDs: the card is in MIG mode). Presets: `ampere_pair()` (two
-RTX 3090, capability 8.6), `pascal_card()` (one GTX 1080 Ti, 6.1),
-`hopper_mig(*uuids)` (an H100 in MIG mode). NVML error codes are module
-constants (DRIVER_NOT_LOADED, ...).
+returns: "all", "handle", "name", "uuid", "cc", "mem", "mig", and the health
+queries "remap", "pages", "ecc", "fabric", "fabricv", "compute"), mig (MIG
+instance UUIDs: the card is in MIG mode). Health: remap (corrected rows,
+uncorrected rows, pending, failure occurred), pages_pending, ecc (volatile
+uncorrectable errors), compute (the compute mode), fabric ((state, status),
+or None: the card answers NOT_SUPPORTED, as parts before Hopper do), and
+unsupported (health queries that answer NOT_SUPPORTED). The defaults are a
+healthy card. Presets: `ampere_pair()` (two RTX 3090, capability 8.6),
+`pascal_card()` (one GTX 1080 Ti, 6.1), `hopper_mig(*uuids)` (an H100 in MIG
+mode), `hgx_h100(n)` (H100 SXM cards on NVSwitch, fabric registered). NVML
+error codes, compute modes and fabric states are module constants.
 """
 
 from __future__ import annotations
@@ -69,7 +75,19 @@ LIBRARY_NOT_FOUND = 12
 GPU_IS_LOST = 15
 LIB_RM_VERSION_MISMATCH = 18
 NOT_READY = 27
+ARGUMENT_VERSION_MISMATCH = 25
 UNKNOWN = 999
+
+# nvml.h: compute modes and NVLink fabric states.
+COMPUTE_DEFAULT = 0
+COMPUTE_PROHIBITED = 2
+COMPUTE_EXCLUSIVE_PROCESS = 3
+FABRIC_NOT_SUPPORTED = 0
+FABRIC_NOT_STARTED = 1
+FABRIC_IN_PROGRESS = 2
+FABRIC_COMPLETED = 3
+
+HEALTH_QUERIES = ("remap", "pages", "ecc", "fabric", "compute")
 
 GIB = 1 << 30
 
@@ -83,6 +101,12 @@ class FakeGpu:
     fail: int | None = None
     fail_on: str = "all"
     mig: tuple[str, ...] = ()
+    remap: tuple[int, int, int, int] = (0, 0, 0, 0)
+    pages_pending: bool = False
+    ecc: int = 0
+    compute: int = COMPUTE_DEFAULT
+    fabric: tuple[int, int] | None = None
+    unsupported: tuple[str, ...] = ()
 
 
 def default_uuid(index: int) -> str:
@@ -95,6 +119,13 @@ def ampere_pair() -> list[FakeGpu]:
 
 def pascal_card() -> list[FakeGpu]:
     return [FakeGpu(name="NVIDIA GeForce GTX 1080 Ti", capability=(6, 1), memory=11 * GIB)]
+
+
+def hgx_h100(n: int = 8) -> list[FakeGpu]:
+    return [
+        FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0), memory=80 * GIB, fabric=(FABRIC_COMPLETED, 0))
+        for _ in range(n)
+    ]
 
 
 def hopper_mig(*mig_uuids: str) -> list[FakeGpu]:
@@ -162,6 +193,15 @@ class FakeNvml:
             if gpu.fail is not None:
                 lines.append(f"dev {i} fail {gpu.fail} {gpu.fail_on}")
             lines += [f"dev {i} mig {m}" for m in gpu.mig]
+            lines += [
+                f"dev {i} remap {' '.join(str(v) for v in gpu.remap)}",
+                f"dev {i} pages_pending {int(gpu.pages_pending)}",
+                f"dev {i} ecc_volatile_unc {gpu.ecc}",
+                f"dev {i} compute {gpu.compute}",
+            ]
+            if gpu.fabric is not None:
+                lines.append(f"dev {i} fabric {gpu.fabric[0]} {gpu.fabric[1]}")
+            lines += [f"dev {i} fail {NOT_SUPPORTED} {q}" for q in gpu.unsupported]
         config.write_text("\n".join(lines) + "\n")
         return FakeBox(self.lib_dir, config, log)
 

@@ -87,6 +87,7 @@ def test_a_permanent_failure_in_json_has_kind_and_a_message_naming_the_field(
     assert out["kind"] == "permanent"
     assert "data_path" in out["message"]
     assert str(missing) in out["message"]
+    assert out["reason"] == "data.root-unusable"
 
 
 def test_a_bad_config_file_is_permanent_and_names_the_key(box: dict[str, str]) -> None:
@@ -96,6 +97,7 @@ def test_a_bad_config_file_is_permanent_and_names_the_key(box: dict[str, str]) -
     out = json.loads(done.stdout)
     assert out["kind"] == "permanent"
     assert "cpu_only" in out["message"]
+    assert out["reason"] == "config.invalid"
 
 
 def test_a_flag_wins_over_the_config_file(box: dict[str, str], tmp_path: Path) -> None:
@@ -111,3 +113,11 @@ def test_the_human_summary_goes_to_stderr_and_stdout_stays_empty(box: dict[str, 
     assert done.stdout == ""
     assert "fdl-prepare: prepared in" in done.stderr
     assert "gate skipped" in done.stderr
+
+
+def test_a_root_flag_before_publish_is_a_usage_error(box: dict[str, str], tmp_path: Path) -> None:
+    done = fdl(
+        box, "--flake", "path:/x", "publish", str(tmp_path), "--bin", "t", "--to", "file:///c", "--signing-key", "k"
+    )
+    assert done.returncode == 2
+    assert "--flake" in done.stderr and "publish" in done.stderr

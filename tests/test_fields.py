@@ -202,8 +202,10 @@ FLAG_SAMPLES = {
     "boolean": ([], True),
     "port": (["2222"], 2222),
     "seconds": (["2.5"], 2.5),
+    "count": (["8"], 8),
     "devices": (["0, 2"], [0, 2]),
     "strings": (["A=1"], ["A=1"]),
+    "arguments": (["--smoke"], ["--smoke"]),
     "store URLs": (["http://127.0.0.1:8080"], ["http://127.0.0.1:8080"]),
     "public keys": (
         ["cache-1:nTCg+w7fzWq/2GnSQsukdCOyvv3lZ8Sr6Hu7I5UqB7E="],

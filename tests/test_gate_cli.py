@@ -83,3 +83,31 @@ def test_gpus_leaves_the_box_shut_down(fake_nvml):
     box = fake_nvml.box(ampere_pair())
     assert gpus(box.env(_base())).returncode == 0
     assert box.calls() == ["init 0", "shutdown 0"]
+
+
+def test_json_before_gpus_prints_the_survey_as_json(fake_nvml):
+    box = fake_nvml.box(ampere_pair())
+    done = fdl_prepare(box.env(_base()), "--json", "gpus")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["offered"] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [(DRIVER_NOT_LOADED, "gpu.driver-not-loaded"), (NOT_READY, "gpu.not-ready")],
+    ids=["driver-not-loaded", "not-ready"],
+)
+def test_json_before_gpus_carries_the_reason_of_an_nvml_failure(fake_nvml, code, reason):
+    box = fake_nvml.box(ampere_pair(), init_error=code)
+    done = fdl_prepare(box.env(_base()), "--json", "gpus")
+    assert json.loads(done.stdout)["reason"] == reason
+
+
+@pytest.mark.parametrize("flags", [["--cpu-only"], ["--devices", "0"], ["--config", "/etc/fdl/prepare.toml"]])
+def test_a_root_flag_gpus_would_ignore_is_a_usage_error(fake_nvml, flags):
+    box = fake_nvml.box(ampere_pair())
+    done = fdl_prepare(box.env(_base()), *flags, "gpus")
+    assert done.returncode == 2
+    assert flags[0] in done.stderr and "gpus" in done.stderr
+    assert done.stdout == ""
+    assert box.calls() == []

@@ -17,7 +17,7 @@ from prepare.fail import Fail, permanent
 
 
 def _unopenable(err: OSError) -> Fail:
-    return permanent(f"cannot open the test lock: {err.strerror}")
+    return permanent(f"cannot open the test lock: {err.strerror}", reason="dirs.unwritable")
 
 
 def _taken_elsewhere(path: str) -> bool:

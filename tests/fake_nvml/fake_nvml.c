@@ -27,7 +27,21 @@
  *   dev I cc MAJOR MINOR
  *   dev I mem BYTES
  *   dev I fail CODE [QUERY]   QUERY: all (default) handle name uuid cc mem mig
+ *                             remap pages ecc fabric fabricv compute
  *   dev I mig MIG-...         MIG mode on, one more MIG device with this UUID
+ *
+ * Health (what the gate reads beyond presence; each query answers as a
+ * healthy card does unless told otherwise, and `fail 3 QUERY` makes it
+ * NVML_ERROR_NOT_SUPPORTED, as many parts answer):
+ *
+ *   dev I remap CORR UNC PENDING FAILURE   nvmlDeviceGetRemappedRows (default 0 0 0 0)
+ *   dev I pages_pending 0|1                nvmlDeviceGetRetiredPagesPendingStatus
+ *   dev I ecc_volatile_unc N               nvmlDeviceGetTotalEccErrors(UNCORRECTED, VOLATILE)
+ *   dev I compute MODE                     nvmlDeviceGetComputeMode (0 Default, 2 Prohibited, 3 ExclusiveProcess)
+ *   dev I fabric STATE STATUS              nvmlDeviceGetGpuFabricInfo / ...InfoV: state (0 not supported,
+ *                                          1 not started, 2 in progress, 3 completed) and status (an NVML
+ *                                          return code). Without it both answer NOT_SUPPORTED, as every
+ *                                          part before Hopper does.
  *
  * Without $FAKE_NVML_CONFIG, nvmlInitWithFlags answers
  * NVML_ERROR_LIBRARY_NOT_FOUND: a test process that once preloaded the fake
@@ -55,9 +69,56 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
 };
 
-enum { Q_HANDLE, Q_NAME, Q_UUID, Q_CC, Q_MEM, Q_MIG, Q_COUNT };
+enum { Q_HANDLE, Q_NAME, Q_UUID, Q_CC, Q_MEM, Q_MIG, Q_REMAP, Q_PAGES, Q_ECC, Q_FABRIC, Q_FABRICV, Q_COMPUTE, Q_COUNT };
+
+/* The health calls' types, as nvml.h declares them. */
+typedef enum { NVML_FEATURE_DISABLED = 0, NVML_FEATURE_ENABLED = 1 } nvmlEnableState_t;
+typedef enum { NVML_MEMORY_ERROR_TYPE_CORRECTED = 0, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1 } nvmlMemoryErrorType_t;
+typedef enum { NVML_VOLATILE_ECC = 0, NVML_AGGREGATE_ECC = 1 } nvmlEccCounterType_t;
+typedef enum {
+    NVML_COMPUTEMODE_DEFAULT = 0,
+    NVML_COMPUTEMODE_EXCLUSIVE_THREAD = 1,
+    NVML_COMPUTEMODE_PROHIBITED = 2,
+    NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3,
+} nvmlComputeMode_t;
+
+#define NVML_GPU_FABRIC_UUID_LEN 16
+/* One byte in nvml.h; pynvml declares it c_uint, which reads the three
+ * padding bytes after it too (see fill_fabric). */
+typedef unsigned char nvmlGpuFabricState_t;
+
+typedef struct {
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;
+} nvmlGpuFabricInfo_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;
+    unsigned int healthMask;
+} nvmlGpuFabricInfo_v2_t;
+
+typedef struct {
+    unsigned int version;
+    unsigned char clusterUuid[NVML_GPU_FABRIC_UUID_LEN];
+    nvmlReturn_t status;
+    unsigned int cliqueId;
+    nvmlGpuFabricState_t state;
+    unsigned int healthMask;
+    unsigned char healthSummary;
+} nvmlGpuFabricInfo_v3_t;
+
+/* NVML_STRUCT_VERSION(GpuFabricInfo, v): the size in the low bits, the version in the top byte. */
+#define nvmlGpuFabricInfo_v2 (unsigned int)(sizeof(nvmlGpuFabricInfo_v2_t) | (2U << 24U))
+#define nvmlGpuFabricInfo_v3 (unsigned int)(sizeof(nvmlGpuFabricInfo_v3_t) | (3U << 24U))
 
 #define MAX_DEVICES 16
 #define MAX_MIG 7
@@ -75,6 +136,13 @@ struct nvmlDevice_st {
     int cc_major, cc_minor;
     unsigned long long memory;
     nvmlReturn_t fail[Q_COUNT];
+    unsigned int remap_corr, remap_unc, remap_pending, remap_failure;
+    int pages_pending;
+    unsigned long long ecc_volatile_unc;
+    int compute_mode;
+    int has_fabric;
+    unsigned int fabric_state;
+    nvmlReturn_t fabric_status;
     int mig_count;
     struct nvmlDevice_st *mig[MAX_MIG];
 };
@@ -104,7 +172,8 @@ static void log_line(const char *what, nvmlReturn_t rc)
 
 static int query_of(const char *word)
 {
-    static const char *names[Q_COUNT] = {"handle", "name", "uuid", "cc", "mem", "mig"};
+    static const char *names[Q_COUNT] = {"handle", "name", "uuid", "cc", "mem", "mig",
+                                         "remap", "pages", "ecc", "fabric", "fabricv", "compute"};
     for (int q = 0; q < Q_COUNT; q++)
         if (strcmp(word, names[q]) == 0)
             return q;
@@ -182,8 +251,8 @@ static nvmlReturn_t load_config(void)
             snprintf(log_path, sizeof log_path, "%s", rest);
         else if (strcmp(key, "dev") == 0) {
             int index = -1, n = 0;
-            char field[16] = {0};
-            if (sscanf(rest, "%d %15s %n", &index, field, &n) < 2 || index < 0 || index >= MAX_DEVICES) {
+            char field[32] = {0};
+            if (sscanf(rest, "%d %31s %n", &index, field, &n) < 2 || index < 0 || index >= MAX_DEVICES) {
                 fprintf(stderr, "fake_nvml: bad line: %s\n", line);
                 continue;
             }
@@ -199,6 +268,18 @@ static nvmlReturn_t load_config(void)
                 sscanf(value, "%d %d", &d->cc_major, &d->cc_minor);
             else if (strcmp(field, "mem") == 0)
                 d->memory = strtoull(value, NULL, 10);
+            else if (strcmp(field, "remap") == 0)
+                sscanf(value, "%u %u %u %u", &d->remap_corr, &d->remap_unc, &d->remap_pending, &d->remap_failure);
+            else if (strcmp(field, "pages_pending") == 0)
+                d->pages_pending = atoi(value);
+            else if (strcmp(field, "ecc_volatile_unc") == 0)
+                d->ecc_volatile_unc = strtoull(value, NULL, 10);
+            else if (strcmp(field, "compute") == 0)
+                d->compute_mode = atoi(value);
+            else if (strcmp(field, "fabric") == 0) {
+                d->has_fabric = 1;
+                sscanf(value, "%u %d", &d->fabric_state, &d->fabric_status);
+            }
             else if (strcmp(field, "fail") == 0) {
                 int code = 0;
                 char which[16] = "all";
@@ -295,6 +376,7 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result)
     case 13: return "Function Not Found";
     case 15: return "GPU is lost";
     case 18: return "RM has detected an NVML/RM version mismatch.";
+    case 25: return "Argument version mismatch";
     case 27: return "System is not ready";
     case 999: return "Unknown Error";
     default: return "Unknown Error";
@@ -426,5 +508,119 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, uns
     if (index >= (unsigned)device->mig_count)
         return NVML_ERROR_NOT_FOUND;
     *mig = device->mig[index];
+    return NVML_SUCCESS;
+}
+
+/* Health. Every call answers for the physical card only: the gate asks
+ * about cards, never about MIG instances. */
+
+static nvmlReturn_t card_call(nvmlDevice_t device, int query)
+{
+    nvmlReturn_t rc = device_call(device, query);
+    if (rc)
+        return rc;
+    return device->is_mig ? NVML_ERROR_NOT_SUPPORTED : NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
+                                              unsigned int *isPending, unsigned int *failureOccurred)
+{
+    nvmlReturn_t rc = card_call(device, Q_REMAP);
+    if (rc)
+        return rc;
+    if (!corrRows || !uncRows || !isPending || !failureOccurred)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *corrRows = device->remap_corr;
+    *uncRows = device->remap_unc;
+    *isPending = device->remap_pending;
+    *failureOccurred = device->remap_failure;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, nvmlEnableState_t *isPending)
+{
+    nvmlReturn_t rc = card_call(device, Q_PAGES);
+    if (rc)
+        return rc;
+    if (!isPending)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isPending = device->pages_pending ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+/* The aggregate counter includes the volatile one (it survives reboots);
+ * corrected errors are none here: the gate does not read them. */
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorType_t errorType,
+                                                nvmlEccCounterType_t counterType, unsigned long long *eccCounts)
+{
+    nvmlReturn_t rc = card_call(device, Q_ECC);
+    if (rc)
+        return rc;
+    if (!eccCounts || (unsigned)errorType > NVML_MEMORY_ERROR_TYPE_UNCORRECTED ||
+        (unsigned)counterType > NVML_AGGREGATE_ECC)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *eccCounts = errorType == NVML_MEMORY_ERROR_TYPE_UNCORRECTED ? device->ecc_volatile_unc : 0;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mode)
+{
+    nvmlReturn_t rc = card_call(device, Q_COMPUTE);
+    if (rc)
+        return rc;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = (nvmlComputeMode_t)device->compute_mode;
+    return NVML_SUCCESS;
+}
+
+/* The fields every version shares, written at their own offsets. The three
+ * bytes after `state` are padding in nvml.h, and nothing obliges a driver to
+ * zero them; pynvml reads `state` as a c_uint that spans them, so the fake
+ * leaves them dirty and the gate must read only the low byte. */
+static void fill_fabric(const struct nvmlDevice_st *d, unsigned char *uuid, nvmlReturn_t *status,
+                        unsigned int *clique, nvmlGpuFabricState_t *state)
+{
+    for (int i = 0; i < NVML_GPU_FABRIC_UUID_LEN; i++)
+        uuid[i] = (unsigned char)(0xc0 + i);
+    *status = d->fabric_status;
+    *clique = d->fabric_state == 3 ? 1 : 0;
+    *state = (nvmlGpuFabricState_t)d->fabric_state;
+    memset((unsigned char *)state + 1, 0xa5, 3);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *info)
+{
+    nvmlReturn_t rc = card_call(device, Q_FABRIC);
+    if (rc)
+        return rc;
+    if (!device->has_fabric)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    fill_fabric(device, info->clusterUuid, &info->status, &info->cliqueId, &info->state);
+    return NVML_SUCCESS;
+}
+
+/* The versioned call reads the caller's `version` first, as NVML does: a
+ * struct version this library does not know is ARGUMENT_VERSION_MISMATCH. */
+EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfo_v3_t *info)
+{
+    nvmlReturn_t rc = device_call(device, Q_FABRICV);
+    if (rc)
+        return rc;
+    rc = card_call(device, Q_FABRIC);
+    if (rc)
+        return rc;
+    if (!device->has_fabric)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlGpuFabricInfo_v2 && info->version != nvmlGpuFabricInfo_v3)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    fill_fabric(device, info->clusterUuid, &info->status, &info->cliqueId, &info->state);
+    info->healthMask = 0;
+    if (info->version == nvmlGpuFabricInfo_v3)
+        info->healthSummary = 0;
     return NVML_SUCCESS;
 }

@@ -1,0 +1,112 @@
+"""The smoke run: the built binary, run once, before the box says it is ready.
+
+Everything before this proves the parts (a driver, healthy cards, a binary
+in the store); only running the binary proves they meet. A training binary
+that cannot load `libcuda.so.1` (no driver directory on a box that is not
+NixOS), that links a library its closure lacks, or that cannot initialise
+the GPU fails here instead of after the controller admitted the box.
+
+The run's recipe says how (`smoke`, a list of arguments: `[join.source]
+smoke`, outranked by the run manifest's, since the publisher knows what its
+binary takes); an empty list, or none, runs nothing. The binary starts in
+its run's cwd, with this process's environment, as the run would, and is
+killed at `smoke_timeout` (`--smoke-timeout`).
+
+Kinds: the loader refusing the binary (a library not found, a symbol
+missing, a wrong ELF) is permanent: no retry puts a library where the
+binary looks, a person must (install the driver, fix the driver directory,
+fix the flake). A timeout is transient: the box may be busy, the GPU still
+waking. Any other non-zero exit is transient too, as a failed training build
+is: the training source's to fix, and the next publish may.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections.abc import Sequence
+
+from prepare import proc
+from prepare.fail import Fail, permanent, transient
+from prepare.spec import Binary
+
+DEFAULT_TIMEOUT_S = 60.0
+# Enough of the end of the output to show why; the start is usually banners.
+LAST_LINES = 20
+
+# What glibc's loader (and musl's) says when it cannot start a program:
+# "error while loading shared libraries: libcuda.so.1: cannot open shared
+# object file", "symbol lookup error", "version `GLIBC_2.38' not found".
+_LOADER = re.compile(
+    r"error while loading shared libraries|cannot open shared object file|symbol lookup error|"
+    r"version `[^']*' not found|undefined symbol:|Error loading shared library|wrong ELF class|"
+    r"cannot execute binary file|exec format error"
+)
+_LIBRARY = re.compile(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
+
+
+def run(binary: Binary, args: Sequence[str], timeout_s: float, notes: list[str]) -> None:
+    """Run `binary` with `args` once; raise a Fail when it does not exit 0."""
+    argv = [binary.path, *args]
+    shown = f"`{shlex.join(argv)}` (in {binary.cwd})"
+    started = time.monotonic()
+    try:
+        done = proc.run(argv, timeout=timeout_s, cwd=binary.cwd)
+    except proc.Missing:
+        raise permanent(
+            f"smoke run: the built binary {binary.path} cannot be run (missing, or not executable): the flake "
+            "built a training output without its binary; fix the flake (nix/CONTRACT.md: bin/ holds the "
+            "recipe's bin, executable)",
+            reason="smoke.loader",
+        ) from None
+    except proc.TimedOut as late:
+        raise transient(
+            f"smoke run {shown} did not finish within {timeout_s:g}s and was stopped"
+            + _tail("its last lines on stderr", late.stderr)
+            + ". The next attempt retries; raise smoke_timeout (--smoke-timeout) if its start is legitimately "
+            "slow, or make the smoke arguments do less",
+            reason="smoke.timeout",
+        ) from None
+    seconds = time.monotonic() - started
+    if done.ok:
+        notes.append(f"smoke run {shown} passed in {seconds:.2f}s")
+        return
+    raise _failed(shown, done, binary)
+
+
+def _failed(shown: str, done: proc.Completed, binary: Binary) -> Fail:
+    output = "\n".join(part for part in (done.stdout, done.stderr) if part.strip())
+    said = _tail("its last lines", output)
+    if _LOADER.search(output) or (done.returncode == 127 and "No such file" in output):
+        missing = _LIBRARY.search(output)
+        library = missing.group(1) if missing else None
+        if library is not None and (library.startswith("libcuda") or library.startswith("libnvidia")):
+            fix = (
+                f"{library} is the NVIDIA driver's, which a Nix-built program finds only in the driver directory "
+                "(driver_dir, --driver-dir, default /run/opengl-driver/lib): on a box that is not NixOS, "
+                "fdl-prepare links it there when the box has NVIDIA cards (see the notes, and "
+                f"`ls -l /run/opengl-driver/lib`); on NixOS, enable the NVIDIA driver (hardware.nvidia, "
+                "hardware.graphics.enable). A CPU-only worker needs the cpu libtorch (--libtorch cpu)"
+            )
+        else:
+            fix = (
+                "the binary's closure lacks a library it links, or was built for another machine: fix the flake "
+                f"that builds it (`ldd {binary.path}` shows what is not found)"
+            )
+        return permanent(
+            f"smoke run {shown}: the loader could not start it (exit {done.returncode}){said}. Fix: {fix}",
+            reason="smoke.loader",
+        )
+    return transient(
+        f"smoke run {shown} exited {done.returncode}{said}. The binary starts but fails its smoke run: fix the "
+        "training source (or the manifest's smoke arguments) and publish again; the next attempt retries",
+        reason="smoke.failed",
+    )
+
+
+def _tail(what: str, text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()][-LAST_LINES:]
+    if not lines:
+        return ""
+    return f"; {what}:\n  " + "\n  ".join(lines)

@@ -1,0 +1,211 @@
+"""The driver directory on a box that is not NixOS: links to the host's NVIDIA
+libraries, found with the host's real `ldconfig -p`, where Nix-built
+programs look for the driver (tests/driver_fixtures.py: a test library
+directory registered in a linker cache of the test's own, a loaded kernel
+module's version file, all in a private mount namespace). The machine's own
+linker cache and /run/opengl-driver/lib are never touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from driver_fixtures import DriverHost
+from nvml_fixtures import FakeGpu, host_has_nvml, no_driver_env
+
+from prepare import driver_dir
+
+DEFAULT = "/run/opengl-driver/lib"
+REPO = Path(__file__).resolve().parent.parent
+NOBODY = 65534
+
+
+def links_to(host: DriverHost, where: Path | None = None) -> dict[str, str]:
+    lib = where or host.lib_dir
+    return {name: str(lib / name) for name in ("libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1")}
+
+
+def test_the_hosts_nvidia_libraries_are_linked_where_nix_built_programs_look(driver_host):
+    driver_host.install("570.86.15")
+    got = driver_host.ensure(DEFAULT)
+    assert got["links"] == links_to(driver_host)
+    assert got["notes"] == [
+        f"driver directory {DEFAULT}: links to the host's NVIDIA 570.86.15 libraries (3 in all: 3 new), where "
+        "Nix-built programs look for the driver"
+    ]
+
+
+def test_an_attempt_with_nothing_changed_changes_nothing_and_says_nothing(driver_host, tmp_path):
+    driver_host.install()
+    where = tmp_path / "driver"
+    first = driver_host.ensure(where)
+    again = driver_host.ensure(where)
+    assert again == {"notes": [], "links": first["links"]}
+
+
+def test_a_library_the_linker_cache_now_finds_elsewhere_gets_its_link_updated(driver_host, tmp_path):
+    driver_host.install("570.86.15")
+    where = tmp_path / "driver"
+    driver_host.ensure(where)
+    moved = driver_host.root / "nvidia" / "current"
+    driver_host.install("570.86.15", into=moved)
+    got = driver_host.ensure(where)
+    assert got["links"] == links_to(driver_host, moved)
+    assert "3 updated" in got["notes"][0]
+
+
+def test_a_link_whose_library_is_gone_is_removed_and_one_fdl_prepare_did_not_make_left_alone(driver_host, tmp_path):
+    driver_host.install()
+    where = tmp_path / "driver"
+    where.mkdir()
+    (where / "README").write_text("someone's own file\n")
+    driver_host.ensure(where)
+    # What an older driver left: a library this one does not ship.
+    (where / "libnvidia-tls.so.535.104.05").symlink_to("/usr/lib/x86_64-linux-gnu/libnvidia-tls.so.535.104.05")
+    driver_host.remove("ptxjit")
+    got = driver_host.ensure(where)
+    assert set(got["links"]) == {"libcuda.so.1", "libnvidia-ml.so.1"}
+    assert "2 stale removed (libnvidia-ptxjitcompiler.so.1, libnvidia-tls.so.535.104.05)" in got["notes"][0]
+    assert (where / "README").read_text() == "someone's own file\n"
+
+
+def test_a_file_in_the_way_of_a_link_is_left_alone_with_a_note(driver_host, tmp_path):
+    driver_host.install()
+    where = tmp_path / "driver"
+    where.mkdir()
+    (where / "libcuda.so.1").write_bytes(b"a copy someone put here")
+    got = driver_host.ensure(where)
+    assert (where / "libcuda.so.1").read_bytes() == b"a copy someone put here"
+    assert f"driver directory: {where / 'libcuda.so.1'} is not a link; left alone" in " ".join(got["notes"])
+
+
+def test_driver_libraries_of_another_version_than_the_kernel_module_are_permanent_naming_both(driver_host, tmp_path):
+    driver_host.install("570.86.15")
+    got = driver_host.ensure(tmp_path / "driver", kernel="575.51.02")
+    fail = got["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.driver-mismatch"
+    assert "the loaded NVIDIA kernel module is 575.51.02" in fail["message"]
+    assert "libcuda.so.1 is 570.86.15" in fail["message"]
+    assert str(driver_host.lib_dir / "libcuda.so.570.86.15") in fail["message"]
+    assert "reboot" in fail["message"]
+    assert not (tmp_path / "driver").exists()
+
+
+def test_a_kernel_module_without_libcuda_in_the_linker_cache_is_permanent(driver_host, tmp_path):
+    driver_host.install(libs=("ml", "ptxjit"))
+    fail = driver_host.ensure(tmp_path / "driver")["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.no-driver"
+    assert "lists no libcuda.so.1" in fail["message"] and "570.86.15" in fail["message"]
+    assert "--cpu-only" in fail["message"]
+
+
+def test_on_nixos_the_system_keeps_the_directory(driver_host):
+    driver_host.install()
+    assert driver_host.ensure(DEFAULT, nixos=True) == {"notes": [], "links": None}
+
+
+def test_a_box_without_the_nvidia_kernel_module_gets_no_directory(driver_host):
+    driver_host.install()
+    assert driver_host.ensure(DEFAULT, kernel=None) == {"notes": [], "links": None}
+
+
+def test_a_location_this_user_cannot_write_is_a_clear_permanent_fail(driver_host):
+    driver_host.install()
+    got = driver_host.ensure(DEFAULT, uid=NOBODY)
+    fail = got["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.driver-dir-unwritable"
+    message = fail["message"]
+    assert f"the driver directory {DEFAULT} cannot be written" in message and "Permission denied" in message
+    assert "as root" in message and f"sudo install -d -o $USER {DEFAULT}" in message
+    assert "driver_dir" in message and "--driver-dir" in message
+
+
+def test_a_current_directory_needs_no_write_from_a_user_who_could_not_make_it(driver_host, tmp_path):
+    driver_host.install()
+    where = driver_host.root / "driver"
+    assert "links" in driver_host.ensure(where)
+    assert driver_host.ensure(where, uid=NOBODY) == {"notes": [], "links": links_to(driver_host)}
+
+
+def test_a_relative_driver_dir_is_refused_naming_the_field(driver_host):
+    driver_host.install()
+    fail = driver_host.ensure("run/opengl-driver/lib")["fail"]
+    assert fail["reason"] == "config.invalid" and "driver_dir = 'run/opengl-driver/lib'" in fail["message"]
+
+
+def test_the_gate_keeps_the_directory_then_surveys_nvml(driver_host, fake_nvml, tmp_path):
+    driver_host.install()
+    box = fake_nvml.box([FakeGpu()])
+    env = box.env(no_driver_env())
+    env["LD_LIBRARY_PATH"] = ""  # NVML comes from the (test's) linker cache, as on a real box
+    where = tmp_path / "driver"
+    code = (
+        "import json\n"
+        "from prepare import gate\n"
+        "from prepare.spec import PrepareSpec\n"
+        "notes = []\n"
+        f"gpus = gate.check(PrepareSpec(driver_dir={str(where)!r}), notes)\n"
+        "print(json.dumps({'offered': list(gpus.offered_indices), 'notes': notes}))\n"
+    )
+    done = driver_host.run(code, env=env)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["offered"] == [0]
+    assert any(n.startswith(f"driver directory {where}:") for n in got["notes"])
+    assert os.readlink(where / "libnvidia-ml.so.1") == str(driver_host.lib_dir / "libnvidia-ml.so.1")
+
+
+def test_nvml_is_found_in_the_driver_directory_when_the_loader_finds_none(fake_nvml, tmp_path):
+    """A Nix-built fdl-prepare's loader never reads the host's linker cache:
+    with NVML nowhere it looks, the gate takes it from the driver directory."""
+    if host_has_nvml():
+        pytest.skip("this host has a real libnvidia-ml.so.1 on the default search path")
+    box = fake_nvml.box([FakeGpu(), FakeGpu()])
+    env = box.env(no_driver_env())
+    env["LD_LIBRARY_PATH"] = ""
+    where = tmp_path / "driver"
+    where.mkdir()
+    code = (
+        "import json, sys\n"
+        "from prepare import gate\n"
+        "from prepare.fail import Fail\n"
+        "try:\n"
+        "    print(json.dumps(list(gate.survey(driver_dir=sys.argv[1]).offered_indices)))\n"
+        "except Fail as f:\n"
+        "    print(json.dumps(f.reason))\n"
+    )
+
+    def survey() -> object:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(where)], env=env, cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert survey() == "gpu.no-driver"
+    (where / "libnvidia-ml.so.1").symlink_to(fake_nvml.library)
+    assert survey() == [0, 1]
+
+
+def test_a_library_version_is_read_through_its_links(tmp_path):
+    real = tmp_path / "libcuda.so.570.86.15"
+    real.write_bytes(b"")
+    (tmp_path / "libcuda.so.1").symlink_to(real.name)
+    assert driver_dir.library_version(str(tmp_path / "libcuda.so.1")) == "570.86.15"
+    (tmp_path / "libnvidia-ml.so.1").write_bytes(b"")
+    assert driver_dir.library_version(str(tmp_path / "libnvidia-ml.so.1")) is None
+
+
+def test_a_link_another_attempt_is_making_is_left_to_it(driver_host, tmp_path):
+    driver_host.install()
+    where = tmp_path / "driver"
+    where.mkdir()
+    making = where / "libcuda.so.1.fdl-prepare-new.99999"
+    making.symlink_to(driver_host.lib_dir / "libcuda.so.1")
+    got = driver_host.ensure(where)
+    assert making.is_symlink()
+    assert "stale" not in got["notes"][0]
