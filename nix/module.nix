@@ -54,6 +54,9 @@ let
   # and the package disagree about flags: retrying cannot fix either.
   exitPermanent = 78;
   exitUsage = 2;
+  # A bug in fdl-prepare (an exception that is not a Fail), reported with its
+  # traceback: retrying repeats it.
+  exitSoftware = 70;
 
   systemdAtLeast = v: lib.versionAtLeast (lib.getVersion config.systemd.package) v;
 
@@ -404,11 +407,12 @@ in
           "${lib.getExe' config.systemd.package "systemctl"} start --no-block -- ${lib.concatStringsSep " " cfg.before}"
         ];
 
-        # 75 (transient) and anything unexpected retry; 78 (permanent) and 2
-        # (usage) stop the loop and leave the unit failed for a person.
+        # 75 (transient) and anything unexpected retry; 78 (permanent), 2
+        # (usage) and 70 (a bug) stop the loop and leave the unit failed for a
+        # person.
         Restart = "on-failure";
         RestartSec = mkDefault "10s";
-        RestartPreventExitStatus = "${toString exitUsage} ${toString exitPermanent}";
+        RestartPreventExitStatus = "${toString exitUsage} ${toString exitSoftware} ${toString exitPermanent}";
 
         # The start job has no timeout for a oneshot: a cold build may take
         # long, and fdl-prepare bounds stuck listings and builds itself.

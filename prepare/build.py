@@ -52,8 +52,9 @@ from prepare import caches, config, dirs, human, locks, outputs
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import record as record_mod
+from prepare import state as state_mod
 from prepare import variants as variants_mod
-from prepare.fail import permanent
+from prepare.fail import permanent, transient
 from prepare.nix_log import Log, store_name
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
@@ -123,11 +124,13 @@ def _ensure_state_dir(spec: PrepareSpec) -> str:
     env = dict(os.environ)
     state = os.path.abspath(spec.state_dir or default_state_dir(env))
     origin = _state_origin(spec, env)
+    var = "state_dir (--state-dir)"
+    # Root writes and removes entries here: none of them may be a link
+    # elsewhere, or another user's (prepare.state).
+    state_mod.vet(state, origin, var)
     # The same proof as the node-local directories: it holds the GC roots
     # of built outputs, so it must take a write before a build is spent.
-    dirs.prove_writable(
-        os.path.join(state, "gcroots"), "the state directory's gcroots", origin, var="state_dir (--state-dir)"
-    )
+    dirs.prove_writable(os.path.join(state, "gcroots"), "the state directory's gcroots", origin, var=var)
     return state
 
 
@@ -535,7 +538,13 @@ def _built(
 ) -> Built:
     """What the build made, told apart, and what the run needs of it."""
     recipe = source.recipe if source is not None else None
-    libtorch_path, training_path = outputs.identify(results, recipe.bin if recipe else None)
+    try:
+        libtorch_path, training_path = outputs.identify(results, recipe.bin if recipe else None)
+    except ValueError as odd:
+        raise transient(
+            f"building libtorch {variant.label}: nix build printed no JSON result of a known shape ({odd}); "
+            "the next attempt retries"
+        ) from None
     outputs.note_build(log, results, variant.label, libtorch_path, training_path, session.notes)
     libtorch = Libtorch(path=libtorch_path, variant=variant.label)
     if source is None or recipe is None:

@@ -49,6 +49,8 @@ _SECRET_KEY_BYTES = 64
 
 def kind_of(value: Any) -> str:
     """What a value is, in TOML's words."""
+    if value is None:
+        return "None"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int):
@@ -88,11 +90,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Every string of the config ends up as a path, a URL or an argument, and
+# none of those can hold a NUL (the kernel's strings end at it).
+_NUL = "contains a NUL character (\\u0000), which no path, URL or command line can hold: remove it"
+
+
 def _string(value: Any) -> str | None:
     if not isinstance(value, str):
         return f"expected a string, got {kind_of(value)}"
     if not value.strip():
         return "expected a non-empty string; leave it out to keep it unset"
+    if "\0" in value:
+        return _NUL
     return None
 
 
@@ -126,15 +135,23 @@ def _devices(value: Any) -> str | None:
             "an empty list offers no device at all; leave it out to offer every visible device, "
             "or set cpu_only for a box without one"
         )
+    # One pass with a set: a list of 100,000 entries (a generated config)
+    # is checked in milliseconds, not the minutes a pairwise search takes.
+    seen: set[int] = set()
     for item in value:
         if not _is_int(item):
-            return f"expected device indices (integers from 0), but {show(item)} is {kind_of(item)}"
+            return f"expected device indices (integers from 0), but {_show_short(item)} is {kind_of(item)}"
         if item < 0:
             return f"expected device indices from 0 up, got {item}"
-    seen = [d for i, d in enumerate(value) if d in value[:i]]
-    if seen:
-        return f"device {seen[0]} is listed twice"
+        if item in seen:
+            return f"device {item} is listed twice"
+        seen.add(item)
     return None
+
+
+def _show_short(value: Any) -> str:
+    text = show(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _strings(value: Any) -> str | None:
@@ -145,6 +162,8 @@ def _strings(value: Any) -> str | None:
             return f"expected an array of strings, but {show(item)} is {kind_of(item)}"
         if not item.strip():
             return "expected non-empty strings, got an empty one"
+        if "\0" in item:
+            return f"{show(item)} {_NUL}"
     return None
 
 
@@ -161,7 +180,7 @@ def store_urls(value: Any) -> str | None:
             return f"expected an array of store URLs, but {show(item)} is {kind_of(item)}"
         # Nix splits the setting on whitespace: one URL with a space would
         # reach it as two, neither of them the cache meant.
-        if not _STORE_URL.fullmatch(item.strip()):
+        if not _STORE_URL.fullmatch(item.strip()) or "\0" in item:
             return (
                 f"{show(item)} is not a store URL: write one URL per item, with its scheme and no spaces "
                 "(https://host/path, s3://bucket, ssh-ng://user@host, file:///abs/dir)"
@@ -192,7 +211,7 @@ def _public_keys(value: Any) -> str | None:
                 "treat it as leaked (make a new key pair and publish again), and list the public half here "
                 "(`nix key convert-secret-to-public < SECRET_FILE`)"
             )
-        if not name or any(c.isspace() for c in item.strip()) or size != _PUBLIC_KEY_BYTES:
+        if not name or any(c.isspace() or c == "\0" for c in item.strip()) or size != _PUBLIC_KEY_BYTES:
             return (
                 f"{show(item)} is not a public key: expected name:base64 of an ed25519 key, as "
                 "`nix key convert-secret-to-public < SECRET_FILE` prints it"
@@ -265,7 +284,9 @@ URL = Kind("url", _string, str, to_spec=_stripped)
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
-DEVICES = Kind("devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple)
+DEVICES = Kind(
+    "devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple, show=lambda v: _show_short(v)
+)
 STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
 
 

@@ -16,8 +16,10 @@ Pure: reading a file, parsing and merging. No subprocesses.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+import stat
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +92,11 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as bad:
         raise transient(f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}") from None
+    except RecursionError:
+        raise transient(
+            f"the run manifest {where} nests arrays or tables thousands of levels deep, past what can be read: "
+            f"publish a fixed {FILENAME}"
+        ) from None
     values: dict[str, Any] = {}
     for key in _FIELDS:
         if key not in table:
@@ -100,8 +107,17 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
         if ok and key == "args":
             ok = all(isinstance(a, str) for a in value)
         if not ok:
+            shown = repr(value)
+            shown = shown if len(shown) <= 200 else shown[:197] + "..."
             raise transient(
-                f"the run manifest {where} has {key} = {value!r}, expected {described}: publish a fixed {FILENAME}"
+                f"the run manifest {where} has {key} = {shown}, expected {described}: publish a fixed {FILENAME}"
+            )
+        # A NUL ends every path and argument the kernel takes: no command
+        # line or path could carry the value as written.
+        if any("\0" in item for item in (value if key == "args" else [value]) if isinstance(item, str)):
+            raise transient(
+                f"the run manifest {where} has a NUL character (\\u0000) in {key}, which no path or argument can "
+                f"hold: publish a fixed {FILENAME}"
             )
         values[key] = tuple(value) if key == "args" else value
     unknown = tuple(sorted(k for k in table if k not in _FIELDS))
@@ -116,11 +132,15 @@ def read(source_root: str) -> Manifest | None:
     replacement characters: a garbled run id would pass silently."""
     path = os.path.join(source_root, FILENAME)
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
+        raw = _read_file(path)
     except FileNotFoundError:
         return None
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise transient(
+                f"the run manifest {path} is a symlink: a manifest is a file of the published tree, and root reads "
+                f"nothing outside it: publish {FILENAME} as a plain file"
+            ) from None
         raise transient(f"cannot read the run manifest {path}: {human.oserror(err)}") from None
     try:
         text = raw.decode("utf-8")
@@ -131,6 +151,34 @@ def read(source_root: str) -> Manifest | None:
             f"publish a fixed {FILENAME}"
         ) from None
     return parse(text, where=path)
+
+
+# A manifest is a few hundred bytes; a larger "manifest" is not one.
+MAX_BYTES = 1 << 20
+
+
+def _read_file(path: str) -> bytes:
+    """The manifest's bytes: never through a symlink (a published tree could
+    point it at any file of this box, or at /dev/zero), never a device or a
+    FIFO, and never more than MAX_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        raw = b""
+        while len(raw) <= MAX_BYTES:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            raw += chunk
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_BYTES:
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), path)
+    return raw
 
 
 def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> str:

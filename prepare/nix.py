@@ -28,6 +28,7 @@ fails becomes a `Fail` in `nix_diagnosis`, from its phase and that log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -37,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prepare import caches, proc
+from prepare import caches, human, proc, state
 from prepare.fail import Fail, permanent, transient
 from prepare.nix_diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix_log import Log, strip_ansi
@@ -137,12 +138,15 @@ class Nix:
     def _ensure_registry(self) -> None:
         # An empty registry: flake references must be full URLs; nothing is
         # looked up by name, locally or on the network.
-        if os.path.exists(self.registry):
+        if os.path.lexists(self.registry):
             return
-        tmp = f"{self.registry}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write('{"flakes": [], "version": 2}\n')
-        os.replace(tmp, self.registry)
+        try:
+            state.write_file(self.registry, b'{"flakes": [], "version": 2}\n', "state directory")
+        except OSError as err:
+            raise permanent(
+                f"cannot write the empty flake registry {self.registry}: {human.oserror(err)}; make the state "
+                "directory writable for this user, or set state_dir (--state-dir) to a directory it can write"
+            ) from None
 
     def _run(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Completed:
         try:
@@ -190,7 +194,7 @@ class Nix:
         outcome = self._call(argv, timeout, doing or f"evaluating {installable}", EVALUATION, fix=fix)
         try:
             return json.loads(outcome.completed.stdout)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise permanent(
                 f"{doing or 'evaluating ' + installable}: nix printed no JSON "
                 f"({outcome.completed.stdout[:200]!r}); is the flake's output a plain value?"
@@ -207,8 +211,15 @@ class Nix:
         outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH)
         try:
             data = json.loads(outcome.completed.stdout)
-            return Prefetched(url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked"))
-        except (ValueError, KeyError, TypeError):
+            prefetched = Prefetched(
+                url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked")
+            )
+            if not (isinstance(prefetched.store_path, str) and isinstance(prefetched.nar_hash, str)):
+                raise TypeError("storePath and hash are not strings")
+            if prefetched.locked is not None and not isinstance(prefetched.locked, dict):
+                raise TypeError("locked is not an object")
+            return prefetched
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise transient(
                 f"{doing or 'fetching ' + url}: `nix flake prefetch` printed no store path "
                 f"({outcome.completed.stdout[:200]!r}); the next attempt retries"
@@ -232,7 +243,7 @@ class Nix:
         try:
             completed = self._run(argv, timeout, Log())
             data = json.loads(completed.stdout) if completed.returncode == 0 else None
-        except (proc.TimedOut, ValueError):
+        except (proc.TimedOut, ValueError, RecursionError):
             return None
         if not isinstance(data, dict) or not isinstance(data.get("locked"), dict):
             return None
@@ -240,8 +251,10 @@ class Nix:
         if not isinstance(nar_hash, str) or not nar_hash:
             return None
         nodes = (data.get("locks") or {}).get("nodes") if isinstance(data.get("locks"), dict) else None
+        if not isinstance(nodes, dict):
+            nodes = {}
         inputs = {}
-        for name, node in (nodes or {}).items():
+        for name, node in nodes.items():
             locked = node.get("locked") if isinstance(node, dict) else None
             if isinstance(locked, dict):
                 if not locked.get("narHash"):
@@ -284,7 +297,7 @@ class Nix:
         outcome = self._call(argv, wall, doing, BUILD, source_path=source_path)
         try:
             results = [build_result(r) for r in json.loads(outcome.completed.stdout)]
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             raise transient(
                 f"{doing}: nix build printed no JSON result of a known shape "
                 f"({outcome.completed.stdout[:200]!r}); the next attempt retries"
@@ -385,13 +398,11 @@ def _cached_version(cache_file: str, key: _VersionKey) -> tuple[int, int, int] |
 
 
 def _remember_version(cache_file: str, key: _VersionKey, version: tuple[int, int, int]) -> None:
-    try:
-        tmp = f"{cache_file}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump({"key": list(key), "version": list(version)}, handle)
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass  # only a cache: the next attempt asks again
+    data = json.dumps({"key": list(key), "version": list(version)}).encode()
+    # Only a cache: the next attempt asks again. A symlink or another
+    # user's directory in the way is the state vetting's to report.
+    with contextlib.suppress(OSError, Fail):
+        state.write_file(cache_file, data, "state directory")
 
 
 def _enterable_by_others(path: str) -> bool:

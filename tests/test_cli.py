@@ -111,3 +111,110 @@ def test_the_human_summary_goes_to_stderr_and_stdout_stays_empty(box: dict[str, 
     assert done.stdout == ""
     assert "fdl-prepare: prepared in" in done.stderr
     assert "gate skipped" in done.stderr
+
+
+# -- a bug, an interruption: said, and exited on with a code the unit acts on ----------
+
+_BUG = """
+import sys
+import prepare.pipeline
+
+def broken(*args, **kwargs):
+    raise RuntimeError("a bug stood in for by this test")
+
+prepare.pipeline.prepare = broken
+from prepare.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_an_unexpected_exception_exits_70_with_its_traceback_not_1(box: dict[str, str]) -> None:
+    import sys
+
+    from prepare.cli import EXIT_SOFTWARE
+
+    done = subprocess.run(
+        [sys.executable, "-c", _BUG, "--cpu-only"], env=box, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == EXIT_SOFTWARE == 70, done.stderr
+    assert "Traceback (most recent call last)" in done.stderr and "RuntimeError: a bug stood in" in done.stderr
+    assert "fdl-prepare: internal error: RuntimeError" in done.stderr and "This is a bug in fdl-prepare" in done.stderr
+    assert "exit 70" in done.stderr
+
+
+def test_an_unexpected_exception_with_json_prints_a_bug_object(box: dict[str, str]) -> None:
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _BUG, "--cpu-only", "--json"], env=box, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 70, done.stderr
+    out = json.loads(done.stdout)
+    assert out["kind"] == "bug" and "RuntimeError" in out["message"] and "Traceback" in out["traceback"]
+
+
+def _fake_nix_that_hangs(tmp_path: Path) -> str:
+    folder = tmp_path / "hanging-nix"
+    folder.mkdir()
+    nix = folder / "nix"
+    nix.write_text("#!/bin/sh\nexec sleep 120\n")
+    nix.chmod(0o755)
+    return str(folder)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_interrupt_prints_its_line_and_with_json_a_fail_of_kind_interrupted(
+    box: dict[str, str], tmp_path: Path, sig: str, as_json: bool
+) -> None:
+    import signal
+    import time
+
+    from console import console_script
+
+    env = {**box, "PATH": _fake_nix_that_hangs(tmp_path) + os.pathsep + box["PATH"]}
+    argv = [console_script(), "--cpu-only", "--libtorch", "cpu", "--flake", "path:/srv/fdl"]
+    argv += ["--state-dir", str(tmp_path / "state")] + (["--json"] if as_json else [])
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        # Waiting in its `nix --version`, which never answers.
+        while not any("sleep 120" in line for line in _children_of(child.pid)):
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.05)
+        child.send_signal(getattr(signal, sig))
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130, err
+    assert "fdl-prepare: interrupted" in err
+    if as_json:
+        got = json.loads(out)
+        assert got["kind"] == "interrupted" and "interrupted" in got["message"] and isinstance(got["notes"], list)
+    else:
+        assert out == ""
+
+
+def _children_of(pid: int) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append(cmdline)
+    return found
+
+
+def test_dev_zero_as_the_config_exits_78_at_once(box: dict[str, str]) -> None:
+    done = fdl(box, "--config", "/dev/zero", "--cpu-only", timeout=30)
+    assert done.returncode == 78, done.stderr
+    assert "config /dev/zero is a character device, not a regular file" in done.stderr

@@ -233,6 +233,61 @@ def test_a_directory_given_as_the_config_is_permanent(tmp_path):
     assert fail.kind == "permanent" and f"config {tmp_path} is a directory" in fail.message
 
 
+@pytest.mark.parametrize("table", ["join", "other"])
+def test_deeply_nested_toml_is_permanent_not_a_recursion_error(write, table):
+    # Deep enough that the TOML parser itself runs out of stack, in [join]
+    # or in a table of another tool.
+    path = write(f"[{table}]\nx = " + "[" * 5000 + "]" * 5000 + "\n")
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert f"config {path} nests arrays or tables too deeply" in fail.message
+
+
+def test_nesting_the_parser_survives_is_refused_by_the_key_it_is_under(write):
+    # Shallow enough to parse, deep enough that a message quoting the value
+    # would need a deep walk of its own.
+    path = write("[join]\ndevices = " + "[" * 300 + "]" * 300 + "\n")
+    fail = load_fail(path)
+    assert fail.kind == "permanent" and "join.devices" in fail.message
+
+
+@pytest.mark.parametrize("key", ["data_path", "state_dir", "flake", "libtorch"])
+def test_a_nul_character_in_a_value_is_permanent_and_names_the_key(write, key):
+    path = write(f'[join]\n{key} = "/a\\u0000b"\n')
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert f"join.{key}" in fail.message and "NUL character" in fail.message
+
+
+def test_a_nul_character_in_a_list_item_is_permanent_and_names_the_key(write):
+    path = write('[join.ssh]\noptions = ["Port=22\\u0000"]\n')
+    fail = load_fail(path)
+    assert fail.kind == "permanent" and "join.ssh.options" in fail.message and "NUL character" in fail.message
+
+
+def test_dev_zero_as_the_config_is_permanent_at_once_not_an_endless_read():
+    fail = load_fail(Path("/dev/zero"))
+    assert fail.kind == "permanent"
+    assert "config /dev/zero is a character device, not a regular file" in fail.message
+
+
+def test_dev_null_as_the_config_is_no_config():
+    assert config.load(Path("/dev/null")) == {}
+
+
+def test_a_fifo_as_the_config_is_permanent_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "prepare.toml"
+    os.mkfifo(fifo)
+    fail = load_fail(fifo)
+    assert fail.kind == "permanent" and "is a FIFO (named pipe), not a regular file" in fail.message
+
+
+def test_a_config_far_larger_than_any_config_is_permanent(write):
+    path = write("# padding\n" * (config.MAX_CONFIG_BYTES // 10 + 1))
+    fail = load_fail(path)
+    assert fail.kind == "permanent" and "more than any config" in fail.message
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="reading as another uid needs root")
 def test_a_file_this_user_may_not_read_is_permanent_not_a_traceback():
     uid = 54321

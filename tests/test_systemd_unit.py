@@ -18,7 +18,7 @@ import pytest
 from console import console_script
 from module_fixtures import REPO
 
-from prepare.cli import EXIT_PERMANENT, EXIT_TRANSIENT
+from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT
 
 UNIT = REPO / "systemd" / "fdl-prepare.service"
 DOCS = REPO / "README.md"
@@ -186,6 +186,9 @@ def test_the_exit_codes_the_unit_acts_on_are_the_clis(unit):
     assert (EXIT_TRANSIENT, EXIT_PERMANENT) == (75, 78)
     assert EXIT_PERMANENT in prevented(unit)
     assert EXIT_TRANSIENT not in prevented(unit)
+    # A bug is said once, with its traceback, not retried for ever.
+    assert EXIT_SOFTWARE == 70 and EXIT_SOFTWARE in prevented(unit)
+    assert "| 70 | a bug in fdl-prepare" in DOCS.read_text()
 
 
 def test_a_permanent_failure_exits_78_and_stops_the_restart_loop(unit, tmp_path):
