@@ -181,6 +181,8 @@ def check_source_url(url: str | None) -> str:
             '"git+https://host/repo?ref=main" or "path:/srv/train"'
         )
     url = str(url).strip()
+    if url.startswith("-"):
+        raise permanent(_leading_dash("source.from", url, "[join.source] from (--source)"))
     if any(c.isspace() for c in url):
         raise permanent(
             f'source.from = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"; '
@@ -223,6 +225,16 @@ def check_source_url(url: str | None) -> str:
     return url
 
 
+def _leading_dash(field: str, url: str, where: str) -> str:
+    """A URL Nix would read as one of its options (`-f/file` evaluates a
+    file impurely); Nix is also given `--` before every URL, but a URL
+    that starts with `-` is never a flake reference anyway."""
+    return (
+        f"{field} = {url!r} starts with '-', so a command would read it as an option, not a URL: write the flake "
+        f'URL with its scheme (e.g. "path:/srv/fdl-prepare", "git+https://host/repo?ref=main") in {where}'
+    )
+
+
 def _check_local_path(url: str, scheme: str, field: str, where: str, example: str, git_query: str = "") -> None:
     """A `path:` or `git+file:` URL with an empty or relative path is
     resolved by Nix against the working directory: `/` under systemd, which
@@ -255,6 +267,8 @@ def check_flake_url(flake: str | None) -> str:
             'no flake to build from: set flake in [join] (--flake), e.g. "github:owner/fdl-prepare" or '
             '"git+file:///srv/fdl-prepare?ref=main"; `nix run .#prepare` sets it to its own flake'
         )
+    if url.startswith("-"):
+        raise permanent(_leading_dash("flake", url, where))
     if any(c.isspace() for c in url):
         raise permanent(
             f'flake = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"): move or '

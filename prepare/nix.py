@@ -17,6 +17,10 @@ Every call goes through `Nix`, which holds the flags every call shares:
   stops the attempt (permanent), whichever call it answered.
 - `--no-write-lock-file`: the flake may live in a read-only store path, and a
   prepare must not edit the operator's checkout.
+- `--` before every installable, URL and store path: nothing from a
+  config, a flag or a manifest is ever read as an option (a `--flake
+  -f/file` would otherwise evaluate a file impurely). Nix's argument
+  parser has ended options at `--` since 2.0; 2.8 and 2.26 alike.
 - `--no-eval-cache` on eval and build: Nix 2.8 caches a *failed* evaluation of
   a locked flake and answers the repeat with a generic "is not an attribute
   set", which would hide the `throw` message a 3 a.m. operator needs
@@ -188,9 +192,10 @@ class Nix:
         fix: str | None = None,
     ) -> Any:
         self._ensure_registry()
-        argv = self._common() + ["eval", "--json", "--no-write-lock-file", "--no-eval-cache", installable]
+        argv = self._common() + ["eval", "--json", "--no-write-lock-file", "--no-eval-cache"]
         if apply is not None:
             argv += ["--apply", apply]
+        argv += ["--", installable]
         outcome = self._call(argv, timeout, doing or f"evaluating {installable}", EVALUATION, fix=fix)
         try:
             return json.loads(outcome.completed.stdout)
@@ -207,7 +212,7 @@ class Nix:
         # tarball-ttl 0: a remote git ref (or tarball URL) is otherwise
         # resolved from Nix's cache for an hour, and a re-dial right after a
         # publish would build the previous commit.
-        argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", url]
+        argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", url]
         outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH)
         try:
             data = json.loads(outcome.completed.stdout)
@@ -239,7 +244,7 @@ class Nix:
         `lastModified` is left out: a touched but unchanged tree is the
         same flake."""
         self._ensure_registry()
-        argv = self._common() + ["flake", "metadata", "--json", "--no-write-lock-file", flake]
+        argv = self._common() + ["flake", "metadata", "--json", "--no-write-lock-file", "--", flake]
         try:
             completed = self._run(argv, timeout, Log())
             data = json.loads(completed.stdout) if completed.returncode == 0 else None
@@ -292,7 +297,7 @@ class Nix:
             argv += ["--option", "timeout", str(max(1, int(timeout_s)))]
         for name, url in overrides.items():
             argv += ["--override-input", name, url]
-        argv += list(installables)
+        argv += ["--", *installables]
         wall = None if timeout_s is None else timeout_s + BUILD_GRACE_S
         outcome = self._call(argv, wall, doing, BUILD, source_path=source_path)
         try:
@@ -308,7 +313,7 @@ class Nix:
         """`nix store sign --key-file` over the closure of `paths`, in the
         local store. The key travels as a file name only: it is never on a
         command line, in the environment or in a message."""
-        argv = self._common() + ["store", "sign", "--key-file", key_file, "--recursive", *paths]
+        argv = self._common() + ["store", "sign", "--key-file", key_file, "--recursive", "--", *paths]
         return self._call(argv, timeout, doing, SIGN).log
 
     def copy(self, paths: Sequence[str], to: str, *, doing: str, timeout: float = FETCH_TIMEOUT_S) -> Log:
@@ -316,7 +321,7 @@ class Nix:
         the paths carry the publisher's signatures, which the boxes check;
         the cache is a relay whose own nix.conf need not know the key (a
         binary cache checks nothing anyway; an ssh-ng store would refuse)."""
-        argv = self._common() + ["copy", "--no-check-sigs", "--to", to, *paths]
+        argv = self._common() + ["copy", "--no-check-sigs", "--to", to, "--", *paths]
         return self._call(argv, timeout, doing, COPY).log
 
     def _call(

@@ -118,6 +118,12 @@ def _user(value: str, scheme: str, authority: str, path: str) -> tuple[str | Non
     user, authority = authority.rsplit("@", 1)
     if not user:
         raise _bad(value, "has an empty user before `@`")
+    if user.startswith("-"):
+        # sshfs hands `user@host` to ssh as its destination argument, which
+        # ssh would read as an option (`-oProxyCommand=...`).
+        raise _bad(value, f"has a user {user!r} that starts with '-', which ssh would read as an option")
+    if any(c.isspace() or not c.isprintable() for c in user):
+        raise _bad(value, f"has whitespace or a control character in the user {user!r}")
     if ":" in user:
         # `user:password@`: the password is not quoted back, since this
         # message lands in journals; BatchMode could not type it anyway.
@@ -154,8 +160,10 @@ def _host(value: str, authority: str) -> tuple[str, str | None]:
 
     if not host:
         raise _bad(value, "names no host")
-    if any(c.isspace() for c in host):
-        raise _bad(value, f"has whitespace in the host {host!r}")
+    if host.startswith("-"):
+        raise _bad(value, f"has a host {host!r} that starts with '-', which ssh would read as an option")
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise _bad(value, f"has whitespace or a control character in the host {host!r}")
     return host, port_text
 
 
@@ -215,11 +223,12 @@ def _ssh_option(option: str) -> str:
 
 
 def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> list[str]:
-    """The sshfs command line. The ssh block's own options come first:
+    """The sshfs command line: its options, then `--`, the source and the
+    mountpoint. The ssh block's own options come first:
     OpenSSH keeps the first value it sees for a key, so the operator's
     choices win over the defaults that follow. Those defaults come last
     (ro above all) and cannot be switched off from the config."""
-    argv = ["sshfs", source.remote, mountpoint]
+    argv = ["sshfs"]
 
     def opt(value: str) -> None:
         argv.extend(["-o", value])
@@ -241,4 +250,6 @@ def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> l
     for default in SSHFS_DEFAULTS:
         opt(default)
     opt(f"ConnectTimeout={CONNECT_TIMEOUT_S}")
-    return argv
+    # Options end at `--` (fuse's option parser honours it), so the source
+    # and the mountpoint are never read as options, whatever they hold.
+    return [*argv, "--", source.remote, mountpoint]

@@ -218,3 +218,23 @@ def test_dev_zero_as_the_config_exits_78_at_once(box: dict[str, str]) -> None:
     done = fdl(box, "--config", "/dev/zero", "--cpu-only", timeout=30)
     assert done.returncode == 78, done.stderr
     assert "config /dev/zero is a character device, not a regular file" in done.stderr
+
+
+# -- no value is ever read as an option --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [("--flake", "-f/some/file", "flake"), ("--source", "--impure", "source.from")],
+)
+def test_a_url_that_starts_with_a_dash_is_refused_before_nix_sees_it(
+    box: dict[str, str], tmp_path: Path, flag: str, value: str, field: str
+) -> None:
+    args = ["--cpu-only", "--libtorch", "cpu", "--state-dir", str(tmp_path / "state"), "--json"]
+    if flag != "--flake":
+        args += ["--flake", "path:/srv/fdl"]
+    done = fdl(box, *args, f"{flag}={value}")
+    assert done.returncode == 78, done.stderr
+    out = json.loads(done.stdout)
+    assert f"{field} = {value!r} starts with '-'" in out["message"]
+    assert not (tmp_path / "state").exists()  # refused before the first nix call

@@ -82,6 +82,12 @@ BROKEN_SOURCES = [
     ("sshfs://exa/", "the remote root"),
     ("sshfs://exa:2222//", "the remote root, doubled"),
     ("sshfs://exa/./", "the remote root, dotted"),
+    # What sshfs hands to ssh as its destination must not read as an option.
+    ("sshfs://-oProxyCommand=touch%20x@exa/flodl/data", "a user that starts with a dash"),
+    ("sshfs://-oProxyCommand=x/flodl/data", "a host that starts with a dash"),
+    ("sshfs://data@-oProxyCommand=x:/flodl/data", "a host after a user that starts with a dash"),
+    ("sshfs://da\tta@exa/flodl/data", "a tab in the user"),
+    ("sshfs://ex\x07a/flodl/data", "a control character in the host"),
 ]
 
 
@@ -94,6 +100,17 @@ def test_every_broken_data_source_shape_is_refused_permanently_naming_data_sourc
     assert "data_source" in fail.message, fail.message
     # The operator sees the value they wrote, quoted.
     assert repr(value) in fail.message or repr(value.strip()) in fail.message, fail.message
+
+
+@pytest.mark.sshfs
+def test_a_dashed_user_never_reaches_sshfs_or_ssh(tmp_path: Path) -> None:
+    # The case: nothing ran, but it came back transient, so the
+    # unit retried it for ever. Now it is refused before any program runs.
+    marker = tmp_path / "ran"
+    point = tmp_path / "mnt"
+    fail = _fail(_spec(data_path=str(point), data_source=f"sshfs://-oProxyCommand=touch {marker}@127.0.0.1/srv"))
+    assert fail.kind == "permanent" and "starts with '-'" in fail.message
+    assert not marker.exists() and not point.exists()
 
 
 @pytest.mark.parametrize("value", BROKEN_SOURCES[0:1] + [("~/data", "")], ids=["absolute", "home"])
@@ -187,7 +204,7 @@ def test_sshfs_argv_puts_the_operators_options_first_then_key_port_and_the_defau
     )
     source = parse_source("sshfs://flodl@exa:2222/flodl/data")
     assert sshfs_argv(source, "/flodl/data", ssh) == [
-        "sshfs", "flodl@exa:/flodl/data", "/flodl/data",
+        "sshfs",
         "-o", "ServerAliveInterval=5",
         "-o", "StrictHostKeyChecking=yes",
         "-o", "IdentityFile=/etc/fdl/join_key",
@@ -198,6 +215,7 @@ def test_sshfs_argv_puts_the_operators_options_first_then_key_port_and_the_defau
         "-o", "ServerAliveCountMax=3",
         "-o", "BatchMode=yes",
         "-o", "ConnectTimeout=20",
+        "--", "flodl@exa:/flodl/data", "/flodl/data",
     ]  # fmt: skip
 
 
@@ -215,13 +233,13 @@ def test_the_port_comes_from_the_source_not_the_ssh_block() -> None:
 
 def test_ro_and_batchmode_are_always_there_and_last_even_with_no_ssh_block() -> None:
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", None)
-    assert argv == ["sshfs", "exa:/d", "/m"] + [x for o in sshfs_url.SSHFS_DEFAULTS for x in ("-o", o)] + [
-        "-o", f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}",
+    assert argv == ["sshfs"] + [x for o in sshfs_url.SSHFS_DEFAULTS for x in ("-o", o)] + [
+        "-o", f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}", "--", "exa:/d", "/m",
     ]  # fmt: skip
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", SshSpec(options=("rw", "ConnectTimeout=60")))
     assert argv.index("rw") < argv.index("ro")
     assert argv.index("ConnectTimeout=60") < argv.index(f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}")
-    assert argv[-3] == "BatchMode=yes"
+    assert argv[-6] == "BatchMode=yes"
 
 
 def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
@@ -239,7 +257,7 @@ def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
     # A comma would split one ssh option into two fuse options and sshfs
     # unescapes backslashes; `Key Value` is an unknown option to sshfs; a
     # blank is dropped.
-    assert argv[3:13] == [
+    assert argv[1:11] == [
         "-o", "Ciphers=aes128-ctr\\,aes256-ctr",
         "-o", "StrictHostKeyChecking=no",
         "-o", "Compression=yes",
@@ -248,7 +266,7 @@ def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
     ]  # fmt: skip
     # ssh splits a value on whitespace unless it is quoted.
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", SshSpec(identity_file="/keys/my key"))
-    assert argv[3:5] == ["-o", 'IdentityFile="/keys/my key"']
+    assert argv[1:3] == ["-o", 'IdentityFile="/keys/my key"']
 
 
 # -- nothing declared, and data_path alone -------------------------------------------
