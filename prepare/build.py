@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import caches, config, dirs, human, locks, outputs
+from prepare import caches, config, dirs, human, locks, outputs, redact
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import record as record_mod
@@ -181,6 +181,7 @@ def check_source_url(url: str | None) -> str:
             '"git+https://host/repo?ref=main" or "path:/srv/train"'
         )
     url = str(url).strip()
+    _refuse_credentials("source.from", url, "[join.source] from (--source)")
     if url.startswith("-"):
         raise permanent(_leading_dash("source.from", url, "[join.source] from (--source)"))
     if any(c.isspace() for c in url):
@@ -225,6 +226,23 @@ def check_source_url(url: str | None) -> str:
     return url
 
 
+def _refuse_credentials(field: str, url: str, where: str) -> None:
+    """A credential in a URL would sit on nix's and git's command lines,
+    which every user of the box can read (`ps`), and in every message that
+    names the source. Nix has its own places for one."""
+    what = redact.credentials(url)
+    if what is None:
+        return
+    raise permanent(
+        f"{field} = {redact.redact(url)!r} carries {what} in the URL (hidden here): on a command line every user "
+        f"of this box can read it (`ps`), and it would be in every message. Remove it from the URL in {where}, "
+        "treat it as leaked, and give Nix the credential its own way: a netrc file (`netrc-file = /etc/nix/netrc` "
+        "in nix.conf; a line `machine HOST login USER password TOKEN`, mode 0600), or for GitHub and GitLab "
+        "`access-tokens = github.com=TOKEN` in a nix.conf only root can read; or fetch over git+ssh:// with a "
+        "deploy key"
+    )
+
+
 def _leading_dash(field: str, url: str, where: str) -> str:
     """A URL Nix would read as one of its options (`-f/file` evaluates a
     file impurely); Nix is also given `--` before every URL, but a URL
@@ -267,6 +285,7 @@ def check_flake_url(flake: str | None) -> str:
             'no flake to build from: set flake in [join] (--flake), e.g. "github:owner/fdl-prepare" or '
             '"git+file:///srv/fdl-prepare?ref=main"; `nix run .#prepare` sets it to its own flake'
         )
+    _refuse_credentials("flake", url, where)
     if url.startswith("-"):
         raise permanent(_leading_dash("flake", url, where))
     if any(c.isspace() for c in url):

@@ -32,6 +32,7 @@ import typer
 from prepare.fail import Fail
 from prepare.fields import TABLE, Field, Table, nest
 from prepare.notes import print_notes
+from prepare.redact import redact
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -196,7 +197,7 @@ def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, tabl
 
     if as_json:
         out = done.to_json()
-        out["notes"] = notes
+        out["notes"] = [redact(n) for n in notes]
         # Keys in pipeline order, not sorted: the timings read as the steps ran.
         print(json.dumps(out))
         return EXIT_OK
@@ -207,8 +208,12 @@ def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, tabl
 
 def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) -> int:
     code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
+    # Credentials in URLs never reach a journal or a JSON consumer, whoever
+    # wrote the text (prepare.redact).
+    message = redact(fail.message)
     if as_json:
-        print(json.dumps({"kind": fail.kind, "message": fail.message, "notes": notes}, sort_keys=True))
+        out = {"kind": fail.kind, "message": message, "notes": [redact(n) for n in notes]}
+        print(json.dumps(out, sort_keys=True))
         return code
     print_notes(name, notes)
     then = (
@@ -216,7 +221,7 @@ def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) 
         if fail.permanent
         else "the next attempt may succeed: retry with backoff"
     )
-    print(f"{name}: {fail.kind} failure: {fail.message}", file=sys.stderr)
+    print(f"{name}: {fail.kind} failure: {message}", file=sys.stderr)
     print(f"{name}: exit {code}: {then}", file=sys.stderr)
     return code
 
@@ -226,7 +231,8 @@ def _report_interrupted(notes: list[str], as_json: bool, name: str = NAME) -> in
     prepare.proc has stopped any running child by now."""
     message = "interrupted (SIGINT or SIGTERM): stopped before preparation finished; nothing half-done is kept"
     if as_json:
-        print(json.dumps({"kind": "interrupted", "message": message, "notes": notes}, sort_keys=True), flush=True)
+        out = {"kind": "interrupted", "message": message, "notes": [redact(n) for n in notes]}
+        print(json.dumps(out, sort_keys=True), flush=True)
     else:
         print_notes(name, notes)
     print(f"{name}: interrupted", file=sys.stderr, flush=True)
@@ -238,13 +244,13 @@ def _report_bug(bug: BaseException, notes: list[str], as_json: bool, name: str =
     traceback a report needs, and an exit code no unit retries."""
     import traceback
 
-    trace = "".join(traceback.format_exception(type(bug), bug, bug.__traceback__))
-    message = (
+    trace = redact("".join(traceback.format_exception(type(bug), bug, bug.__traceback__)))
+    message = redact(
         f"internal error: {type(bug).__name__}: {bug}. This is a bug in fdl-prepare, not a problem of this box: "
         "retrying would only repeat it. Report it with the traceback, and the config and flags that led to it"
     )
     if as_json:
-        out = {"kind": "bug", "message": message, "traceback": trace, "notes": notes}
+        out = {"kind": "bug", "message": message, "traceback": trace, "notes": [redact(n) for n in notes]}
         print(json.dumps(out, sort_keys=True), flush=True)
     else:
         print_notes(name, notes)

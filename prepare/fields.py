@@ -30,6 +30,7 @@ from datetime import date, datetime, time
 from typing import Any
 
 from prepare.fail import permanent
+from prepare.redact import credentials, redact
 from prepare.spec import PrepareSpec
 
 FLAKE_ENV = "FDL_PREPARE_FLAKE"
@@ -178,6 +179,13 @@ def store_urls(value: Any) -> str | None:
     for item in value:
         if not isinstance(item, str):
             return f"expected an array of store URLs, but {show(item)} is {kind_of(item)}"
+        found = credentials(item)
+        if found is not None:
+            return (
+                f"{redact(show(item))} carries {found} in the URL (hidden here), which would sit on every nix "
+                "command line (`ps` shows it to every user): remove it, treat it as leaked, and give Nix the "
+                "credential in a netrc file (`netrc-file = /etc/nix/netrc` in nix.conf, mode 0600)"
+            )
         # Nix splits the setting on whitespace: one URL with a space would
         # reach it as two, neither of them the cache meant.
         if not _STORE_URL.fullmatch(item.strip()) or "\0" in item:
@@ -217,6 +225,31 @@ def _public_keys(value: Any) -> str | None:
                 "`nix key convert-secret-to-public < SECRET_FILE` prints it"
             )
     return None
+
+
+# What a private key's text holds and no path does: a PEM or OpenSSH
+# armour line, or the base64 of OpenSSH's "openssh-key-v1" magic.
+_KEY_MATERIAL = re.compile(r"-----BEGIN|PRIVATE KEY|b3BlbnNzaC1rZXktdjE|\n")
+
+
+def looks_like_key(value: Any) -> bool:
+    """Whether a value meant as a key's path is the key itself, pasted in."""
+    return isinstance(value, str) and (len(value) > 4096 or bool(_KEY_MATERIAL.search(value)))
+
+
+def _identity_file(value: Any) -> str | None:
+    if looks_like_key(value):
+        # Said without the value: it is a secret, and messages land in journals.
+        return (
+            "holds what looks like a private key itself, not the path of a key file: put the key in a file "
+            "only root can read (e.g. /etc/fdl/id_ed25519, mode 0600) and its path here; the key has been in "
+            "the config (and anything that copied it), so treat it as leaked and make a new one"
+        )
+    return _string(value)
+
+
+def _show_identity(value: Any) -> str:
+    return "<private key material, not shown>" if looks_like_key(value) else show(value)
 
 
 def _show_keys(value: Any) -> str:
@@ -280,7 +313,7 @@ class Kind:
 STRING = Kind("string", _string, str)
 # A URL handed to Nix: surrounding spaces (easy to leave in a hand-edited file
 # or a join loop's string) would reach `nix flake prefetch` as part of it.
-URL = Kind("url", _string, str, to_spec=_stripped)
+URL = Kind("url", _string, str, to_spec=_stripped, show=lambda v: redact(show(v)))
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
@@ -294,7 +327,15 @@ def _stripped_all(value: Any) -> Any:
     return tuple(v.strip() for v in value)
 
 
-STORE_URLS = Kind("store URLs", store_urls, list, example='["https://cache.example.org"]', to_spec=_stripped_all)
+IDENTITY = Kind("identity file", _identity_file, str, show=_show_identity)
+STORE_URLS = Kind(
+    "store URLs",
+    store_urls,
+    list,
+    example='["https://cache.example.org"]',
+    to_spec=_stripped_all,
+    show=lambda v: redact(show(v)),
+)
 PUBLIC_KEYS = Kind(
     "public keys",
     _public_keys,
@@ -520,7 +561,7 @@ FIELDS: tuple[Field, ...] = (
         key="ssh.identity_file",
         flag="--identity-file",
         spec="ssh.identity_file",
-        kind=STRING,
+        kind=IDENTITY,
         metavar="PATH",
         nix="nullOr str",
         help="ssh identity file (used for the sshfs mount).",

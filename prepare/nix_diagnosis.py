@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prepare.fail import Fail
 from prepare.nix_log import Activity, Log
+from prepare.redact import redact
 
 # The phase a nix call belongs to: what an error record means depends on it.
 EVALUATION = "evaluation"
@@ -252,7 +253,8 @@ def failure(diagnosis: Diagnosis, doing: str, *, fix: str | None = None, extra: 
         message += f"\n{extra}"
     chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
     message += f"\nFix: {chosen}"
-    return Fail(message, permanent=diagnosis.permanent)
+    # Nix and git quote URLs as they found them, a flake's own inputs too.
+    return Fail(redact(message), permanent=diagnosis.permanent)
 
 
 def _clip(text: str, limit: int = 3000) -> str:
