@@ -98,7 +98,9 @@ def default_state_dir(env: dict[str, str] | None = None, uid: int | None = None)
     from_unit = config.env_value(env, config.STATE_ENV)
     if from_unit:
         return from_unit
-    if env.get("XDG_STATE_HOME"):
+    # The XDG spec has a relative XDG_STATE_HOME ignored: it would move with
+    # the working directory.
+    if env.get("XDG_STATE_HOME", "").startswith("/"):
         return os.path.join(env["XDG_STATE_HOME"], "fdl-prepare")
     if uid == 0:
         return "/var/lib/fdl-prepare"
@@ -115,7 +117,7 @@ def _state_origin(spec: PrepareSpec, env: dict[str, str]) -> str:
     from_unit = config.env_value(env, config.STATE_ENV)
     if from_unit:
         return f"${config.STATE_ENV}, systemd's StateDirectory="
-    if env.get("XDG_STATE_HOME"):
+    if env.get("XDG_STATE_HOME", "").startswith("/"):
         return "$XDG_STATE_HOME"
     return "the default for root" if os.getuid() == 0 else "the default for this user"
 
@@ -261,6 +263,12 @@ def _check_local_path(url: str, scheme: str, field: str, where: str, example: st
     if scheme != "path" and not scheme.endswith("+file"):
         return
     parts = urlsplit(url)
+    if parts.path.startswith("/") and not parts.netloc and os.path.normpath(parts.path) in ("/", "//"):
+        raise permanent(
+            f"{field} = {url!r} names the root directory `/`: Nix would copy the whole filesystem into the "
+            f'store (and fail on what it cannot read). Name the directory that holds it, e.g. "path:{example}", '
+            f"in {where}"
+        )
     if parts.netloc or parts.path.startswith("/"):
         return  # absolute (an authority is Nix's to refuse, as a URL that does not parse)
     rel = parts.path

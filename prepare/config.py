@@ -45,11 +45,12 @@ from prepare import human
 from prepare.fail import permanent
 from prepare.fields import (
     BOOLEAN,
+    BUILD_SECONDS,
     DEVICES,
+    LIST_SECONDS,
     PORT,
     RULES,
     SECONDS,
-    STRING,
     TABLE,
     Env,
     Field,
@@ -592,7 +593,12 @@ def _validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool
 def _hint(kind: Kind, key: str, value: Any, flags: bool) -> str:
     if flags:
         return ""
-    if kind.check is STRING.check and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if (
+        kind.flag_type is str
+        and kind.example is None
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    ):
         return f'; quote it: {key} = "{value}"'
     if kind.flag_type is list and isinstance(value, str):
         return f"; write it as a list: {key} = {kind.show([value])}"
@@ -609,7 +615,7 @@ def _unquoted(kind: Kind, value: str) -> str | None:
     text = value.strip()
     if kind is BOOLEAN and text.lower() in ("true", "false"):
         return text.lower()
-    if kind in (PORT, SECONDS) and re.fullmatch(r"\d+(\.\d+)?", text):
+    if kind in (PORT, SECONDS, LIST_SECONDS, BUILD_SECONDS) and re.fullmatch(r"\d+(\.\d+)?", text):
         return text
     if kind is DEVICES and re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
         return "[" + ", ".join(p.strip() for p in text.split(",")) + "]"

@@ -128,6 +128,59 @@ def _seconds(value: Any) -> str | None:
     return None
 
 
+def _seconds_within(low: float, high: float, what: str) -> Checker:
+    """A bound in seconds that a timer can hold and that leaves the work
+    time to happen: far below `low`, every attempt times out, transient for
+    ever; past `high`, a wedged call holds the box for good (and a timer
+    past what the OS can wait crashes its thread)."""
+
+    def check(value: Any) -> str | None:
+        problem = _seconds(value)
+        if problem is not None:
+            return problem
+        if not low <= value <= high:
+            return f"expected {low:g} to {high:g} seconds ({what}), got {value:g}"
+        return None
+
+    return check
+
+
+# Absolute, and nothing a shell would have expanded: `~` is taken literally
+# by everything below the shell, and a relative path resolves against the
+# working directory, `/` under systemd.
+def _absolute_path(value: Any) -> str | None:
+    problem = _string(value)
+    if problem is not None:
+        return problem
+    if value.startswith("~"):
+        return (
+            "starts with '~', which only a shell expands (here it would be a directory named '~'): write the "
+            "absolute path, e.g. /var/lib/fdl-prepare"
+        )
+    if not value.startswith("/"):
+        return (
+            "is a relative path, which would resolve against the working directory (`/` under systemd): write "
+            "the absolute path, e.g. /var/lib/fdl-prepare"
+        )
+    return None
+
+
+def _ssh_target(value: Any) -> str | None:
+    problem = _string(value)
+    if problem is not None:
+        return problem
+    if value.strip().startswith("-"):
+        return "starts with '-', which ssh would read as an option: write the host name"
+    if any(c.isspace() or not c.isprintable() for c in value.strip()):
+        return "has whitespace or a control character, which no host name has"
+    return None
+
+
+def _ssh_user(value: Any) -> str | None:
+    problem = _ssh_target(value)
+    return problem.replace("host name", "user name") if problem else None
+
+
 def _devices(value: Any) -> str | None:
     if not isinstance(value, (list, tuple)):
         return f"expected an array of device indices such as [0, 1], got {kind_of(value)}"
@@ -317,6 +370,17 @@ URL = Kind("url", _string, str, to_spec=_stripped, show=lambda v: redact(show(v)
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
+# A listing answers in milliseconds; past an hour a mount is dead.
+LIST_SECONDS = Kind(
+    "seconds", _seconds_within(0.1, 3600, "a tenth of a second to an hour"), float, example="30", to_spec=float
+)
+# A cold build of libtorch and a training binary takes hours, not months.
+BUILD_SECONDS = Kind(
+    "seconds", _seconds_within(1, 30 * 86400, "a second to 30 days"), float, example="3600", to_spec=float
+)
+ABSOLUTE_PATH = Kind("absolute path", _absolute_path, str)
+SSH_HOST = Kind("ssh host", _ssh_target, str)
+SSH_USER = Kind("ssh user", _ssh_user, str)
 DEVICES = Kind(
     "devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple, show=lambda v: _show_short(v)
 )
@@ -462,7 +526,7 @@ FIELDS: tuple[Field, ...] = (
         key="state_dir",
         flag="--state-dir",
         spec="state_dir",
-        kind=STRING,
+        kind=ABSOLUTE_PATH,
         metavar="DIR",
         # systemd joins several StateDirectory= entries with ':'; the first is the unit's own.
         env=Env(STATE_ENV, note="systemd's StateDirectory=", separator=":"),
@@ -473,7 +537,7 @@ FIELDS: tuple[Field, ...] = (
         key="list_timeout",
         flag="--list-timeout",
         spec="list_timeout_s",
-        kind=SECONDS,
+        kind=LIST_SECONDS,
         metavar="SECONDS",
         default=10.0,
         help="Give up listing the dataset root after this long (dead mount). Default: 10.",
@@ -482,7 +546,7 @@ FIELDS: tuple[Field, ...] = (
         key="build_timeout",
         flag="--build-timeout",
         spec="build_timeout_s",
-        kind=SECONDS,
+        kind=BUILD_SECONDS,
         metavar="SECONDS",
         help="Abandon a build running longer than this (transient).",
     ),
@@ -534,10 +598,11 @@ FIELDS: tuple[Field, ...] = (
         key="ssh.target",
         flag="--ssh-target",
         spec="ssh.target",
-        kind=STRING,
+        kind=SSH_HOST,
         metavar="HOST",
         nix="nullOr str",
-        help="ssh target of the controller tunnel.",
+        help="ssh host of the controller tunnel (the join loop dials it); a data_source on this host takes "
+        "--ssh-user and --ssh-port as its defaults.",
     ),
     Field(
         key="ssh.port",
@@ -546,16 +611,16 @@ FIELDS: tuple[Field, ...] = (
         kind=PORT,
         metavar="PORT",
         nix="nullOr port",
-        help="ssh port.",
+        help="ssh port on --ssh-target; the port of a data_source on that host that names none.",
     ),
     Field(
         key="ssh.user",
         flag="--ssh-user",
         spec="ssh.user",
-        kind=STRING,
+        kind=SSH_USER,
         metavar="USER",
         nix="nullOr str",
-        help="ssh user.",
+        help="ssh user on --ssh-target; the user of a data_source on that host that names none.",
     ),
     Field(
         key="ssh.identity_file",

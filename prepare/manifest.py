@@ -294,8 +294,27 @@ def check_tree(recipe: Recipe, source_root: str, source_url: str) -> None:
     """`cwd` must be a directory of the fetched tree. Checked here, before
     the build, because the flake's own refusal is an evaluation error
     (permanent), while a publish that names a missing directory is fixed by
-    the next publish."""
-    if os.path.isdir(os.path.join(source_root, recipe.cwd)):
+    the next publish.
+
+    A `cwd` that leads out of the tree through a symlink is permanent
+    whoever set it: the build and the run would work in a directory of this
+    box that no publish pinned (the run's `cwd` is handed on as the
+    symlink's path), and retrying builds it again the same way."""
+    where = os.path.join(source_root, recipe.cwd)
+    if os.path.isdir(where):
+        real_root = os.path.realpath(source_root)
+        real = os.path.realpath(where)
+        if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+            origin = (
+                f"the run manifest {FILENAME} in {source_url!r} has"
+                if "cwd" in recipe.from_manifest
+                else "source.cwd (--source-cwd) is"
+            )
+            raise permanent(
+                f"{origin} cwd = {recipe.cwd!r}, which leads out of the training source through a symlink (to "
+                f"{real}): a build and a run work inside the tree that was published. Publish a tree whose cwd is "
+                f"a directory of its own (and, for a box's value, fix [join.source] cwd), then restart the unit"
+            )
         return
     if "cwd" in recipe.from_manifest:
         raise transient(

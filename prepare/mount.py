@@ -13,12 +13,16 @@ side or the network (transient).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import os
 import posixpath
 import re
 import shlex
+import stat
 import time
+from collections.abc import Mapping
 
 from prepare import human, listing, mounts, proc
 from prepare.fail import Fail, permanent, transient
@@ -111,7 +115,7 @@ def _ensure_mountpoint(mountpoint: str) -> None:
         ) from None
 
 
-def _check_identity(ssh: SshSpec | None) -> None:
+def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None) -> None:
     """ssh skips an IdentityFile it cannot load and carries on with the
     keys it has left, so a mistyped key path only ever surfaces as the far
     side refusing us: a transient failure, retried forever. Open it here,
@@ -131,11 +135,62 @@ def _check_identity(ssh: SshSpec | None) -> None:
     except OSError as err:
         raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
     try:
-        os.read(fd, 1)
+        st = os.fstat(fd)
+        text = os.read(fd, _KEY_BYTES) if stat.S_ISREG(st.st_mode) else os.read(fd, 1)
     except OSError as err:
         raise permanent(f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.") from None
     finally:
         os.close(fd)
+    _check_key(key, st, text, env or os.environ)
+
+
+# A private key file is a few KiB at most.
+_KEY_BYTES = 1 << 16
+
+
+def _check_key(key: str, st: os.stat_result, text: bytes, env: Mapping[str, str]) -> None:
+    """What ssh would refuse about the key itself, said before the mount
+    tries: sshfs backgrounds ssh with its stderr on /dev/null, so the far
+    side's "Permission denied" would be all that shows, and that reads as
+    transient: the box would retry a key ssh never sends, for ever."""
+    # OpenSSH's own rule (sshkey_perm_ok): a key its user owns must be
+    # readable by nobody else, or it is ignored.
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        raise permanent(
+            f"the ssh identity file {key} has mode {stat.S_IMODE(st.st_mode):04o}: ssh refuses a private key "
+            f"that others can read (\"Permissions {stat.S_IMODE(st.st_mode):04o} for '{key}' are too open\") and "
+            f"does not use it. `chmod 600 {key}`; set `ssh.identity_file` (flag --identity-file) to the key the "
+            "data host accepts"
+        )
+    if _encrypted(text) and not env.get("SSH_AUTH_SOCK"):
+        raise permanent(
+            f"the ssh identity file {key} has a passphrase, and the mount runs with BatchMode=yes, which cannot "
+            'type one (ssh would only say "Permission denied (publickey)", and the box would retry for ever). '
+            f"Remove the passphrase (`ssh-keygen -p -N '' -f {key}`, the file kept mode 0600), or load the key "
+            "into an ssh-agent whose socket the unit gets as SSH_AUTH_SOCK (the NixOS module's sshAuthSock)"
+        )
+
+
+def _encrypted(text: bytes) -> bool:
+    """Whether a private key file's text says it is encrypted: PEM's
+    `Proc-Type: 4,ENCRYPTED` or an encrypted PKCS#8 block, or an OpenSSH
+    key whose cipher is not "none"."""
+    if b"Proc-Type: 4,ENCRYPTED" in text or b"BEGIN ENCRYPTED PRIVATE KEY" in text:
+        return True
+    begin, end = b"-----BEGIN OPENSSH PRIVATE KEY-----", b"-----END OPENSSH PRIVATE KEY-----"
+    if begin not in text or end not in text:
+        return False
+    body = text.split(begin, 1)[1].split(end, 1)[0]
+    try:
+        raw = base64.b64decode(b"".join(body.split()), validate=True)
+    except (ValueError, binascii.Error):
+        return False
+    magic = b"openssh-key-v1\0"
+    if not raw.startswith(magic) or len(raw) < len(magic) + 4:
+        return False
+    size = int.from_bytes(raw[len(magic) : len(magic) + 4], "big")
+    cipher = raw[len(magic) + 4 : len(magic) + 4 + size]
+    return cipher != b"none"
 
 
 # What ssh prints when the options it was started with do not parse. It
@@ -220,8 +275,25 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
         raise transient(f"{where}: sshfs exited 0 but nothing is mounted there{_quoted(done.stderr)}")
 
 
+# What ssh says when it will not use a private key it was given (one named
+# by an IdentityFile in ssh.options, which _check_key does not read): the
+# key is this box's, and no retry changes it.
+_KEY_REFUSED = re.compile(
+    r'^(?:Load key "[^"]*": (?:bad permissions|incorrect passphrase supplied to decrypt private key|invalid format)'
+    r"|Permissions \d+ for '[^']*' are too open\.)"
+)
+
+
 def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str]) -> Fail:
     """Why sshfs exited non-zero, from what it (or its verbose retry) said."""
+    keys = [line.strip() for line in f"{done.stderr}\n{said}".splitlines() if _KEY_REFUSED.match(line.strip())]
+    if keys:
+        return permanent(
+            f"{where}: ssh will not use the private key it was given (ssh said: {' / '.join(dict.fromkeys(keys))}). "
+            "That is this box's key, not the far side: `chmod 600` a key others can read, remove a passphrase "
+            "(`ssh-keygen -p -N '' -f KEY`) or load the key into an ssh-agent, and check `ssh.identity_file` "
+            f"(flag --identity-file) and any IdentityFile in `ssh.options`. Try it by hand: `{shlex.join(verbose)}`"
+        )
     refused = _option_errors(f"{done.stderr}\n{said}")
     if refused:
         # Transient would restart the unit into the same refusal forever.

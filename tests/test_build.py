@@ -754,3 +754,28 @@ def test_nix_build_json_of_an_unexpected_shape_is_transient_not_a_traceback(
     fail = caught.value
     assert not fail.permanent
     assert "no JSON result of a known shape" in fail.message and "the next attempt retries" in fail.message
+
+
+# -- kinds that stop a box rather than loop it -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "url"),
+    [("source.from", "path:/"), ("source.from", "git+file:///?ref=main"), ("flake", "path:/"), ("flake", "path:///")],
+)
+def test_the_root_directory_as_a_source_or_flake_is_permanent(state_dir, field, url):
+    s = spec("path:/srv/fdl", state_dir, url) if field == "source.from" else spec(url, state_dir)
+    fail = expect_fail(s)
+    assert fail.permanent and f"{field} = {url!r} names the root directory" in fail.message
+
+
+def test_a_manifest_cwd_that_is_a_symlink_out_of_the_tree_stops_the_box(nix_env, test_flake, state_dir, tmp_path):
+    # A path: source copied into the store keeps its symlink: the build and
+    # the run would work in /etc. Retrying does that again: permanent.
+    tree = tmp_path / "train"
+    tree.mkdir()
+    (tree / "escape").symlink_to("/etc")
+    (tree / ".fdl-run.toml").write_text(manifest_text(bin="train", cwd="escape"))
+    fail = expect_fail(spec(test_flake, state_dir, f"path:{tree}"))
+    assert fail.permanent
+    assert "leads out of the training source through a symlink (to /etc)" in fail.message

@@ -238,3 +238,14 @@ def test_a_url_that_starts_with_a_dash_is_refused_before_nix_sees_it(
     out = json.loads(done.stdout)
     assert f"{field} = {value!r} starts with '-'" in out["message"]
     assert not (tmp_path / "state").exists()  # refused before the first nix call
+
+
+def test_a_hundred_thousand_devices_in_the_config_take_well_under_seconds(box: dict[str, str]) -> None:
+    import time
+
+    devices = ", ".join(str(i) for i in range(100_000))
+    Path(box["FDL_PREPARE_CONFIG"]).write_text(f"[join]\ncpu_only = true\ndevices = [{devices}]\n")
+    start = time.monotonic()
+    done = fdl(box, "--json", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 10

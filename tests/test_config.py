@@ -734,3 +734,61 @@ def test_check_spec_leaves_other_strings_as_given():
     spec = PrepareSpec(data=DataSpec(data_path=" /odd "), source=SourceSpec(from_="path:/x", build=" make "))
     checked = config.check_spec(spec)
     assert checked.data.data_path == " /odd " and checked.source is not None and checked.source.build == " make "
+
+
+# -- every value in a range the box can act on ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [("var/lib/fdl", "is a relative path"), ("~/state", "starts with '~'"), ("~root/state", "starts with '~'")],
+)
+def test_a_relative_or_tilde_state_dir_is_permanent(value, words):
+    fail = resolve_fail({"state_dir": value}, {})
+    assert fail.kind == "permanent" and "join.state_dir" in fail.message and words in fail.message
+    fail = resolve_fail({}, {"state_dir": value})
+    assert "--state-dir" in fail.message and words in fail.message
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("list_timeout", 0.001),
+        ("list_timeout", 1e300),
+        ("list_timeout", 86400.0),
+        ("build_timeout", 0.5),
+        ("build_timeout", 1e12),
+    ],
+)
+def test_a_timeout_no_timer_can_hold_or_no_work_can_fit_is_permanent(key, value):
+    fail = resolve_fail({key: value}, {})
+    assert fail.kind == "permanent" and f"join.{key}" in fail.message and "seconds (" in fail.message
+
+
+def test_the_range_ends_are_accepted():
+    spec = config.resolve({"list_timeout": 0.1, "build_timeout": 30 * 86400}, {}, {})
+    assert (spec.list_timeout_s, spec.build_timeout_s) == (0.1, 30 * 86400.0)
+    spec = config.resolve({"list_timeout": 3600, "build_timeout": 1}, {}, {})
+    assert (spec.list_timeout_s, spec.build_timeout_s) == (3600.0, 1.0)
+
+
+def test_a_hundred_thousand_devices_are_checked_in_linear_time():
+    import time
+
+    many = list(range(100_000))
+    start = time.monotonic()
+    spec = config.resolve({"devices": many}, {}, {})
+    assert spec.devices == tuple(many)
+    flags = config.resolve({}, {"devices": config.parse_devices(",".join(map(str, many)))}, {})
+    assert flags.devices == tuple(many)
+    assert time.monotonic() - start < 2.0
+    # A repeat at the very end is still found, and the message stays short.
+    fail = resolve_fail({"devices": [*many, 99_999]}, {})
+    assert "device 99999 is listed twice" in fail.message and len(fail.message) < 1000
+
+
+@pytest.mark.parametrize(("key", "value"), [("ssh.target", "-oProxyCommand=x"), ("ssh.user", "-l")])
+def test_an_ssh_target_or_user_that_starts_with_a_dash_is_permanent(key, value):
+    table, name = key.split(".")
+    fail = resolve_fail({table: {name: value}}, {})
+    assert fail.kind == "permanent" and f"join.{key}" in fail.message and "starts with '-'" in fail.message

@@ -993,3 +993,103 @@ def test_a_lock_file_root_created_can_be_taken_by_another_user(tmp_path: Path) -
         assert done.returncode == 0, done.stderr
     finally:
         os.unlink(path)
+
+
+# -- the key itself: what ssh would refuse is permanent ------------------------------------
+
+
+@pytest.mark.sshfs
+def test_an_identity_file_others_can_read_is_permanent_and_names_chmod(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
+) -> None:
+    key = tmp_path / "id_ed25519"
+    shutil.copy(sshd.user_key, key)
+    key.chmod(0o644)
+    point = tmp_path / "never-made"
+    sshfs_mounts.track(point)
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), identity=key))
+    assert fail.kind == "permanent", fail.message
+    assert "mode 0644" in fail.message and "are too open" in fail.message and f"chmod 600 {key}" in fail.message
+    assert not point.exists()
+
+
+@pytest.mark.sshfs
+def test_an_identity_file_with_a_passphrase_is_permanent_without_an_agent(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    key = tmp_path / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a passphrase", "-f", str(key)], check=True)
+    point = tmp_path / "never-made"
+    sshfs_mounts.track(point)
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), identity=key))
+    assert fail.kind == "permanent", fail.message
+    assert "has a passphrase" in fail.message and "BatchMode=yes" in fail.message
+    assert f"ssh-keygen -p -N '' -f {key}" in fail.message and "SSH_AUTH_SOCK" in fail.message
+
+
+@pytest.mark.sshfs
+def test_a_key_ssh_refuses_that_came_through_ssh_options_is_permanent_from_what_ssh_says(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
+) -> None:
+    # Not fdl-prepare's identity_file, so not read beforehand: ssh itself
+    # says "bad permissions", and that is the box's configuration.
+    key = tmp_path / "id_ed25519"
+    shutil.copy(sshd.user_key, key)
+    key.chmod(0o644)
+    point = sshfs_mounts.point()
+    spec = PrepareSpec(
+        data=DataSpec(data_path=str(point), data_source=sshd.source(remote_tree)),
+        ssh=SshSpec(options=(*sshd.options, f"IdentityFile={key}")),
+        cpu_only=True,
+    )
+    fail = _fail(spec)
+    assert fail.kind == "permanent", fail.message
+    assert "ssh will not use the private key" in fail.message and "bad permissions" in fail.message
+
+
+# -- the ssh block's target, user and port --------------------------------------------------
+
+
+@pytest.mark.sshfs
+def test_a_data_source_on_the_tunnel_host_takes_the_ssh_blocks_user_and_port(
+    sshd, sshfs_mounts, remote_tree: Path
+) -> None:
+    point = sshfs_mounts.point()
+    spec = PrepareSpec(
+        data=DataSpec(data_path=str(point), data_source=f"sshfs://{sshd.host}{remote_tree}"),
+        ssh=SshSpec(
+            target=sshd.host,
+            user=sshd.user,
+            port=sshd.port,
+            identity_file=str(sshd.user_key),
+            options=sshd.options,
+        ),
+        cpu_only=True,
+    )
+    notes: list[str] = []
+    assert data.ensure_root(spec, notes) == str(point)
+    assert _only_mount(point).source == sshd.remote(remote_tree)
+    assert any(f"port {sshd.port} (ssh.port)" in n and f"user {sshd.user} (ssh.user)" in n for n in notes), notes
+
+
+def test_the_ssh_blocks_user_and_port_are_not_silently_dropped_for_another_host() -> None:
+    source = parse_source("sshfs://data.example/srv")
+    notes: list[str] = []
+    ssh = SshSpec(target="ctrl.example", port=2222, user="worker")
+    assert sshfs_url.with_tunnel_defaults(source, ssh, notes) == source
+    assert len(notes) == 1 and "ssh.user (--ssh-user) and ssh.port (--ssh-port)" in notes[0]
+    assert "another machine" in notes[0]
+    notes.clear()
+    assert sshfs_url.with_tunnel_defaults(source, SshSpec(port=2222), notes) == source
+    assert "which is not set" in notes[0]
+
+
+def test_the_tunnel_target_may_carry_its_own_user_and_port_and_the_url_still_wins() -> None:
+    notes: list[str] = []
+    got = sshfs_url.with_tunnel_defaults(
+        parse_source("sshfs://ctrl.example/srv"), SshSpec(target="worker@ctrl.example:2200"), notes
+    )
+    assert (got.user, got.port) == ("worker", 2200) and "ssh.target" in notes[0]
+    own = parse_source("sshfs://me@ctrl.example:22/srv")
+    assert sshfs_url.with_tunnel_defaults(own, SshSpec(target="ctrl.example", user="x", port=2), []) == own

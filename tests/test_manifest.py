@@ -215,3 +215,23 @@ def test_a_manifest_larger_than_any_manifest_is_transient(tmp_path):
     with pytest.raises(Fail) as caught:
         read(str(tmp_path))
     assert not caught.value.permanent and "EFBIG" in caught.value.message
+
+
+def test_a_cwd_that_leads_out_of_the_tree_through_a_symlink_is_permanent(tmp_path):
+    from prepare.manifest import check_tree
+
+    tree = tmp_path / "tree"
+    (tree / "inside").mkdir(parents=True)
+    (tree / "escape").symlink_to("/etc")
+    (tree / "fine").symlink_to("inside")
+    recipe = merge(SourceSpec(from_=URL, bin="t"), parse('cwd = "escape"\n'), URL)
+    with pytest.raises(Fail) as caught:
+        check_tree(recipe, str(tree), URL)
+    assert caught.value.permanent
+    assert "leads out of the training source through a symlink (to /etc)" in caught.value.message
+    assert "the run manifest" in caught.value.message
+    # The box's own value, too; and a link that stays inside the tree is fine.
+    with pytest.raises(Fail) as caught:
+        check_tree(merge(SourceSpec(from_=URL, bin="t", cwd="escape"), None, URL), str(tree), URL)
+    assert caught.value.permanent and "source.cwd (--source-cwd)" in caught.value.message
+    check_tree(merge(SourceSpec(from_=URL, bin="t", cwd="fine"), None, URL), str(tree), URL)

@@ -542,6 +542,8 @@ def test_the_generated_execstart_exits_75_on_a_transient_failure_which_is_retrie
     forget_mount_lock_of(mountpoint)
     key = tmp_path / "id_ed25519"
     key.write_text("")
+    # As a private key must be: ssh ignores one others can read (permanent).
+    key.chmod(0o600)
     # Port 1 on loopback: nothing listens, the connection is refused at once,
     # as when the data host is down.
     unit = evaluate_module(
