@@ -49,7 +49,7 @@ def establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[st
     the mount lock."""
     existing = mounts.mounted_at(mountpoint)
     if existing is None:
-        _mount(source, mountpoint, spec.ssh)
+        _mount(source, mountpoint, spec.ssh, notes)
         notes.append(f"mounted `{source.remote}` read-only at {mountpoint}")
         listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
         return
@@ -63,7 +63,7 @@ def establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[st
             # ENOTCONN forever. It is our own mount of our own source, so
             # replacing it is the repair, not a trespass.
             _unmount(mountpoint)
-            _mount(source, mountpoint, spec.ssh)
+            _mount(source, mountpoint, spec.ssh, notes)
             notes.append(
                 f"the earlier mount of `{source.remote}` at {mountpoint} had lost its sshfs process "
                 f"(transport endpoint not connected); unmounted it and mounted it again read-only"
@@ -222,7 +222,54 @@ def _option_errors(stderr: str) -> list[str]:
     return [line for line in lines if _OPTION_ERROR.match(line) or _FILE_LINE.match(line)]
 
 
-def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
+# Where systemd, as PID 1, keeps its runtime state: what sd_booted(3)
+# checks to know that systemd is the init system.
+_SYSTEMD_RUNTIME = "/run/systemd/system"
+
+# What systemd-run prints when it cannot make the scope (no bus, no
+# permission); it has not started the command then.
+_SCOPE_REFUSED = re.compile(r"^Failed to (?:start transient scope unit|create bus connection|connect to bus)", re.M)
+
+
+def _scope(mountpoint: str) -> list[str]:
+    """The prefix that runs sshfs in a transient scope of its own, outside
+    the cgroup of the unit that started fdl-prepare, or [] where there is
+    no systemd to ask (a container, another init: then nothing kills a
+    unit's cgroup either).
+
+    The sshfs daemon is the mount: a daemon left in the unit's cgroup is
+    killed by every `systemctl restart` (each settings change does one),
+    and the dataset mount under a running job goes with it (the mechanism
+    of stargz-snapshotter#2387). `KillMode=process` would spare it too,
+    but would also spare everything else a stopped attempt leaves (nix's
+    builders, a listing wedged on a dead mount), so the unit keeps
+    systemd's default and the daemon moves out instead. Only root may make
+    a scope in the system manager."""
+    if os.geteuid() != 0 or not os.path.isdir(_SYSTEMD_RUNTIME):
+        return []
+    runner = proc.which("systemd-run")
+    if runner is None:
+        return []
+    return [runner, "--scope", "--quiet", "--collect", f"--description=fdl-prepare: sshfs mount at {mountpoint}", "--"]
+
+
+def _run_sshfs(argv: list[str], mountpoint: str, notes: list[str]) -> proc.Completed:
+    """sshfs, in a scope of its own when systemd can give it one."""
+    scope = _scope(mountpoint)
+    if scope:
+        done = proc.run([*scope, *argv], timeout=MOUNT_TIMEOUT_S)
+        refused = _SCOPE_REFUSED.search(done.stderr)
+        if done.ok or refused is None:
+            return done
+        line = done.stderr[refused.start() :].splitlines()[0]
+        notes.append(
+            f"systemd-run could not give the sshfs mount at {mountpoint} a scope of its own ({line}): mounted "
+            "inside this unit instead, so a restart of the unit takes the mount down with it"
+        )
+    return proc.run(argv, timeout=MOUNT_TIMEOUT_S)
+
+
+def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> None:
     if proc.which("sshfs") is None:
         raise _no_sshfs(source)
     _check_identity(ssh)
@@ -231,7 +278,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
     where = f"mounting data_source `{source.url}` at {mountpoint}"
     start = time.monotonic()
     try:
-        done = proc.run(argv, timeout=MOUNT_TIMEOUT_S)
+        done = _run_sshfs(argv, mountpoint, notes)
     except proc.Missing:
         raise _no_sshfs(source) from None
     except proc.TimedOut as late:
@@ -258,7 +305,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
             # cost every good mount a wait. So only a quick failure is asked
             # again, verbosely: those are the ones with a reason to give.
             try:
-                again = proc.run(verbose, timeout=MOUNT_TIMEOUT_S)
+                again = _run_sshfs(verbose, mountpoint, [])
             except (proc.Missing, proc.TimedOut):
                 again = None
             if again is not None and again.ok and _is_sshfs_at(mountpoint):
