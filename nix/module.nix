@@ -54,6 +54,36 @@ let
   # and the package disagree about flags: retrying cannot fix either.
   exitPermanent = 78;
   exitUsage = 2;
+  # A bug in fdl-prepare (an exception that is not a Fail), reported with its
+  # traceback: retrying repeats it.
+  exitSoftware = 70;
+
+  # Capabilities nothing in a preparation uses: the clock, reboot, audit,
+  # MAC, BPF, ptrace, raw I/O, memory locking, privileged ports.
+  droppedCapabilities = [
+    "CAP_SYS_TIME"
+    "CAP_SYS_BOOT"
+    "CAP_SYS_PACCT"
+    "CAP_SYS_TTY_CONFIG"
+    "CAP_WAKE_ALARM"
+    "CAP_LINUX_IMMUTABLE"
+    "CAP_AUDIT_CONTROL"
+    "CAP_AUDIT_READ"
+    "CAP_AUDIT_WRITE"
+    "CAP_MAC_ADMIN"
+    "CAP_MAC_OVERRIDE"
+    "CAP_SYSLOG"
+    "CAP_BLOCK_SUSPEND"
+    "CAP_LEASE"
+    "CAP_BPF"
+    "CAP_PERFMON"
+    "CAP_SYS_PTRACE"
+    "CAP_SYS_RAWIO"
+    "CAP_IPC_LOCK"
+    "CAP_NET_BIND_SERVICE"
+    "CAP_NET_BROADCAST"
+    "CAP_NET_RAW"
+  ];
 
   systemdAtLeast = v: lib.versionAtLeast (lib.getVersion config.systemd.package) v;
 
@@ -428,11 +458,12 @@ in
           "${lib.getExe' config.systemd.package "systemctl"} start --no-block -- ${lib.concatStringsSep " " cfg.before}"
         ];
 
-        # 75 (transient) and anything unexpected retry; 78 (permanent) and 2
-        # (usage) stop the loop and leave the unit failed for a person.
+        # 75 (transient) and anything unexpected retry; 78 (permanent), 2
+        # (usage) and 70 (a bug) stop the loop and leave the unit failed for a
+        # person.
         Restart = "on-failure";
         RestartSec = mkDefault "10s";
-        RestartPreventExitStatus = "${toString exitUsage} ${toString exitPermanent}";
+        RestartPreventExitStatus = "${toString exitUsage} ${toString exitSoftware} ${toString exitPermanent}";
 
         # The start job has no timeout for a oneshot: a cold build may take
         # long, and fdl-prepare bounds stuck listings and builds itself.
@@ -445,6 +476,28 @@ in
         # collection never deletes what a run is using.
         StateDirectory = "fdl-prepare";
         StateDirectoryMode = "0750";
+
+        # Sandboxing, as in systemd/fdl-prepare.service (README.md,
+        # "Hardened units"): nothing that gives the unit a mount namespace
+        # (the sshfs mount must reach the host) and no device ACL
+        # (/dev/nvidia*, /dev/kfd, /dev/dri, /dev/fuse stay reachable).
+        NoNewPrivileges = true;
+        ProtectHostname = true;
+        RestrictRealtime = true;
+        RestrictSUIDSGID = true;
+        LockPersonality = true;
+        SystemCallArchitectures = "native";
+        RestrictAddressFamilies = [
+          "AF_UNIX"
+          "AF_INET"
+          "AF_INET6"
+          "AF_NETLINK"
+        ];
+        SystemCallFilter = [ "~@clock @cpu-emulation @debug @obsolete @raw-io @reboot @swap" ];
+        # Kept: SYS_ADMIN (mounts, Nix's sandbox), SETUID/SETGID, KILL and
+        # CHOWN (Nix's build users), SYS_CHROOT and NET_ADMIN (Nix's
+        # sandbox), SYS_MODULE and MKNOD (nvidia-modprobe).
+        CapabilityBoundingSet = [ "~${lib.concatStringsSep " " droppedCapabilities}" ];
       }
       # Exponential backoff arrived in systemd 254; older releases would log
       # "Unknown key" and keep the fixed RestartSec.

@@ -48,12 +48,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from prepare import caches, config, dirs, human, locks, outputs
+from prepare import caches, config, dirs, human, locks, outputs, redact
 from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare import record as record_mod
+from prepare import state as state_mod
 from prepare import variants as variants_mod
-from prepare.fail import permanent
+from prepare.fail import permanent, transient
 from prepare.nix_log import Log, store_name
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
@@ -99,7 +100,9 @@ def default_state_dir(env: dict[str, str] | None = None, uid: int | None = None)
     from_unit = config.env_value(env, config.STATE_ENV)
     if from_unit:
         return from_unit
-    if env.get("XDG_STATE_HOME"):
+    # The XDG spec has a relative XDG_STATE_HOME ignored: it would move with
+    # the working directory.
+    if env.get("XDG_STATE_HOME", "").startswith("/"):
         return os.path.join(env["XDG_STATE_HOME"], "fdl-prepare")
     if uid == 0:
         return "/var/lib/fdl-prepare"
@@ -116,7 +119,7 @@ def _state_origin(spec: PrepareSpec, env: dict[str, str]) -> str:
     from_unit = config.env_value(env, config.STATE_ENV)
     if from_unit:
         return f"${config.STATE_ENV}, systemd's StateDirectory="
-    if env.get("XDG_STATE_HOME"):
+    if env.get("XDG_STATE_HOME", "").startswith("/"):
         return "$XDG_STATE_HOME"
     return "the default for root" if os.getuid() == 0 else "the default for this user"
 
@@ -125,11 +128,13 @@ def _ensure_state_dir(spec: PrepareSpec) -> str:
     env = dict(os.environ)
     state = os.path.abspath(spec.state_dir or default_state_dir(env))
     origin = _state_origin(spec, env)
+    var = "state_dir (--state-dir)"
+    # Root writes and removes entries here: none of them may be a link
+    # elsewhere, or another user's (prepare.state).
+    state_mod.vet(state, origin, var)
     # The same proof as the node-local directories: it holds the GC roots
     # of built outputs, so it must take a write before a build is spent.
-    dirs.prove_writable(
-        os.path.join(state, "gcroots"), "the state directory's gcroots", origin, var="state_dir (--state-dir)"
-    )
+    dirs.prove_writable(os.path.join(state, "gcroots"), "the state directory's gcroots", origin, var=var)
     return state
 
 
@@ -182,6 +187,9 @@ def check_source_url(url: str | None) -> str:
             reason="config.invalid",
         )
     url = str(url).strip()
+    _refuse_credentials("source.from", url, "[join.source] from (--source)")
+    if url.startswith("-"):
+        raise permanent(_leading_dash("source.from", url, "[join.source] from (--source)"), reason="config.invalid")
     if any(c.isspace() for c in url):
         raise permanent(
             f'source.from = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"; '
@@ -230,6 +238,34 @@ def check_source_url(url: str | None) -> str:
     return url
 
 
+def _refuse_credentials(field: str, url: str, where: str) -> None:
+    """A credential in a URL would sit on nix's and git's command lines,
+    which every user of the box can read (`ps`), and in every message that
+    names the source. Nix has its own places for one."""
+    what = redact.credentials(url)
+    if what is None:
+        return
+    raise permanent(
+        f"{field} = {redact.redact(url)!r} carries {what} in the URL (hidden here): on a command line every user "
+        f"of this box can read it (`ps`), and it would be in every message. Remove it from the URL in {where}, "
+        "treat it as leaked, and give Nix the credential its own way: a netrc file (`netrc-file = /etc/nix/netrc` "
+        "in nix.conf; a line `machine HOST login USER password TOKEN`, mode 0600), or for GitHub and GitLab "
+        "`access-tokens = github.com=TOKEN` in a nix.conf only root can read; or fetch over git+ssh:// with a "
+        "deploy key",
+        reason="config.credentials-in-url",
+    )
+
+
+def _leading_dash(field: str, url: str, where: str) -> str:
+    """A URL Nix would read as one of its options (`-f/file` evaluates a
+    file impurely); Nix is also given `--` before every URL, but a URL
+    that starts with `-` is never a flake reference anyway."""
+    return (
+        f"{field} = {url!r} starts with '-', so a command would read it as an option, not a URL: write the flake "
+        f'URL with its scheme (e.g. "path:/srv/fdl-prepare", "git+https://host/repo?ref=main") in {where}'
+    )
+
+
 def _check_local_path(url: str, scheme: str, field: str, where: str, example: str, git_query: str = "") -> None:
     """A `path:` or `git+file:` URL with an empty or relative path is
     resolved by Nix against the working directory: `/` under systemd, which
@@ -238,6 +274,13 @@ def _check_local_path(url: str, scheme: str, field: str, where: str, example: st
     if scheme != "path" and not scheme.endswith("+file"):
         return
     parts = urlsplit(url)
+    if parts.path.startswith("/") and not parts.netloc and os.path.normpath(parts.path) in ("/", "//"):
+        raise permanent(
+            f"{field} = {url!r} names the root directory `/`: Nix would copy the whole filesystem into the "
+            f'store (and fail on what it cannot read). Name the directory that holds it, e.g. "path:{example}", '
+            f"in {where}",
+            reason="config.invalid",
+        )
     if parts.netloc or parts.path.startswith("/"):
         return  # absolute (an authority is Nix's to refuse, as a URL that does not parse)
     rel = parts.path
@@ -264,6 +307,9 @@ def check_flake_url(flake: str | None) -> str:
             '"git+file:///srv/fdl-prepare?ref=main"; `nix run .#prepare` sets it to its own flake',
             reason="config.invalid",
         )
+    _refuse_credentials("flake", url, where)
+    if url.startswith("-"):
+        raise permanent(_leading_dash("flake", url, where), reason="config.invalid")
     if any(c.isspace() for c in url):
         raise permanent(
             f'flake = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"): move or '
@@ -553,7 +599,14 @@ def _built(
 ) -> Built:
     """What the build made, told apart, and what the run needs of it."""
     recipe = source.recipe if source is not None else None
-    libtorch_path, training_path = outputs.identify(results, recipe.bin if recipe else None)
+    try:
+        libtorch_path, training_path = outputs.identify(results, recipe.bin if recipe else None)
+    except ValueError as odd:
+        raise transient(
+            f"building libtorch {variant.label}: nix build printed no JSON result of a known shape ({odd}); "
+            "the next attempt retries",
+            reason="nix.unknown",
+        ) from None
     outputs.note_build(log, results, variant.label, libtorch_path, training_path, session.notes)
     libtorch = Libtorch(path=libtorch_path, variant=variant.label)
     if source is None or recipe is None:

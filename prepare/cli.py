@@ -3,7 +3,13 @@
 Only this module prints (besides `print_notes`) and only `main` exits. The
 exit code carries the permanent/transient split so a shell loop or systemd can
 act on it without parsing text: 0 prepared, 75 transient (EX_TEMPFAIL: retry),
-78 permanent (EX_CONFIG: stop), 2 usage, 130 interrupted.
+78 permanent (EX_CONFIG: stop), 2 usage, 70 a bug (EX_SOFTWARE: stop), 130
+interrupted.
+
+An exception that is not a `Fail` is a bug in fdl-prepare, never the box's
+state: it is reported with its traceback and exits 70, which the units do not
+retry (a bug retried every 10 s for ever hides itself in the journal), where
+Python's own exit 1 would be retried as if transient.
 
 Heavy modules (the steps, pynvml, rich) are imported inside the commands so
 `--help` stays fast.
@@ -26,9 +32,11 @@ import typer
 from prepare.fail import Fail
 from prepare.fields import TABLE, Field, Table, nest
 from prepare.notes import print_notes
+from prepare.redact import redact
 
 EXIT_OK = 0
 EXIT_USAGE = 2
+EXIT_SOFTWARE = 70
 EXIT_TRANSIENT = 75
 EXIT_PERMANENT = 78
 EXIT_INTERRUPTED = 130
@@ -131,7 +139,8 @@ def make_app(table: Table = TABLE) -> typer.Typer:
         help=(
             "Get this box ready before it dials a training controller: GPU gate, dataset root, "
             "writable local directories, then a pinned libtorch and the training binary through Nix.\n\n"
-            "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 130 interrupted."
+            "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 70 a bug (stop), "
+            "130 interrupted."
         ),
     )
 
@@ -208,10 +217,14 @@ def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, tabl
         done = prepare(spec, notes, progress=progress)
     except Fail as fail:
         return _report_fail(fail, notes, as_json)
+    except KeyboardInterrupt:
+        return _report_interrupted(notes, as_json)
+    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
+        return _report_bug(bug, notes, as_json)
 
     if as_json:
         out = done.to_json()
-        out["notes"] = notes
+        out["notes"] = [redact(n) for n in notes]
         # Keys in pipeline order, not sorted: the timings read as the steps ran.
         print(json.dumps(out))
         return EXIT_OK
@@ -222,8 +235,12 @@ def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, tabl
 
 def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) -> int:
     code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
+    # Credentials in URLs never reach a journal or a JSON consumer, whoever
+    # wrote the text (prepare.redact).
+    message = redact(fail.message)
     if as_json:
-        print(json.dumps({**fail.to_json(), "notes": notes}, sort_keys=True))
+        out = {**fail.to_json(), "message": message, "notes": [redact(n) for n in notes]}
+        print(json.dumps(out, sort_keys=True))
         return code
     print_notes(name, notes)
     then = (
@@ -231,9 +248,43 @@ def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) 
         if fail.permanent
         else "the next attempt may succeed: retry with backoff"
     )
-    print(f"{name}: {fail.kind} failure: {fail.message}", file=sys.stderr)
+    print(f"{name}: {fail.kind} failure: {message}", file=sys.stderr)
     print(f"{name}: exit {code}: {then}", file=sys.stderr)
     return code
+
+
+def _report_interrupted(notes: list[str], as_json: bool, name: str = NAME) -> int:
+    """SIGINT, or SIGTERM from systemd stopping the unit: the seam in
+    prepare.proc has stopped any running child by now."""
+    message = "interrupted (SIGINT or SIGTERM): stopped before preparation finished; nothing half-done is kept"
+    if as_json:
+        out = {"kind": "interrupted", "message": message, "notes": [redact(n) for n in notes]}
+        print(json.dumps(out, sort_keys=True), flush=True)
+    else:
+        print_notes(name, notes)
+    print(f"{name}: interrupted", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def _report_bug(bug: BaseException, notes: list[str], as_json: bool, name: str = NAME) -> int:
+    """An exception that is not a Fail: a bug, said as one, with the
+    traceback a report needs, and an exit code no unit retries."""
+    import traceback
+
+    trace = redact("".join(traceback.format_exception(type(bug), bug, bug.__traceback__)))
+    message = redact(
+        f"internal error: {type(bug).__name__}: {bug}. This is a bug in fdl-prepare, not a problem of this box: "
+        "retrying would only repeat it. Report it with the traceback, and the config and flags that led to it"
+    )
+    if as_json:
+        out = {"kind": "bug", "message": message, "traceback": trace, "notes": [redact(n) for n in notes]}
+        print(json.dumps(out, sort_keys=True), flush=True)
+    else:
+        print_notes(name, notes)
+    print(trace, file=sys.stderr, end="")
+    print(f"{name}: {message}", file=sys.stderr)
+    print(f"{name}: exit {EXIT_SOFTWARE}: a bug; the unit does not restart on it", file=sys.stderr, flush=True)
+    return EXIT_SOFTWARE
 
 
 def _summary(done: Any, seconds: float) -> None:
@@ -267,11 +318,15 @@ def gpus(
     from prepare import gate
 
     as_json = as_json or _root_json(ctx)
-
+    name = f"{NAME} gpus"
     try:
         survey = gate.survey(os.environ)
     except Fail as fail:
-        raise typer.Exit(_report_fail(fail, [], as_json)) from None
+        raise typer.Exit(_report_fail(fail, [], as_json, name)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(_report_interrupted([], as_json, name)) from None
+    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
+        raise typer.Exit(_report_bug(bug, [], as_json, name)) from None
     if as_json:
         print(json.dumps(survey.to_json()))
     else:
@@ -279,7 +334,7 @@ def gpus(
         health = gate.format_health(survey)
         if health:
             print("\n" + health)
-        print_notes(f"{NAME} gpus", survey.notes)
+        print_notes(name, survey.notes)
     raise typer.Exit(EXIT_OK)
 
 
@@ -324,6 +379,8 @@ def publish(
         shared = config.resolve({}, _flags(PUBLISH_SHARED, given), os.environ, table=PUBLISH_SHARED)
     except Fail as fail:
         raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
+    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
+        raise typer.Exit(_report_bug(bug, notes, as_json, name)) from None
     spec = PublishSpec(
         source=source,
         bin=bin_,
@@ -343,6 +400,10 @@ def publish(
         done = run_publish(spec, notes, progress_mod.renderer(sys.stderr, prefix=name))
     except Fail as fail:
         raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(_report_interrupted(notes, as_json, name)) from None
+    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
+        raise typer.Exit(_report_bug(bug, notes, as_json, name)) from None
     if as_json:
         print(json.dumps({**done.to_json(), "notes": notes}))
         raise typer.Exit(EXIT_OK)
@@ -368,8 +429,14 @@ def main(args: list[str] | None = None) -> None:
     try:
         app(args=args, prog_name=NAME, standalone_mode=True)
     except KeyboardInterrupt:
+        # The commands say it themselves (typer turns an interrupt that
+        # escapes them into a silent exit 130); this is one outside typer.
         print(f"{NAME}: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
+        # Outside the commands' own reports: the option parsing, the
+        # imports. Still a bug, still not retried.
+        sys.exit(_report_bug(bug, [], False))
 
 
 def publish_main() -> None:

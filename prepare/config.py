@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import difflib
 import errno
+import functools
 import json
 import os
 import re
+import stat
 import sys
 import typing
 from collections.abc import Callable, Mapping
@@ -43,11 +45,12 @@ from prepare import human
 from prepare.fail import permanent
 from prepare.fields import (
     BOOLEAN,
+    BUILD_SECONDS,
     DEVICES,
+    LIST_SECONDS,
     PORT,
     RULES,
     SECONDS,
-    STRING,
     TABLE,
     Env,
     Field,
@@ -66,6 +69,10 @@ from prepare.spec import Origin, PrepareSpec
 
 CONFIG_ENV = "FDL_PREPARE_CONFIG"
 DEFAULT_PATH = Path("/etc/fdl/prepare.toml")
+# A config is a few hundred bytes; a file far larger is the wrong file.
+MAX_CONFIG_BYTES = 1 << 20
+# /dev/null's device numbers, the same on every Linux.
+_DEV_NULL = (1, 3)
 
 # The flag for each [join] key (dotted below `join`), as the CLI spells them.
 # Messages about a flag's value name the flag, so an operator who never
@@ -124,16 +131,10 @@ def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
         import tomli as tomllib
 
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except IsADirectoryError:
-        raise permanent(
-            f"config {path} is a directory; name the TOML file itself", reason="config.unreadable"
-        ) from None
-    except OSError as exc:
-        raise permanent(
-            f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}", reason="config.unreadable"
-        ) from None
+    raw = _read(path)
+    if raw is None:
+        return {}
+    _check_trust(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -148,6 +149,113 @@ def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise permanent(_syntax_message(path, text, exc), reason="config.invalid") from None
+    except RecursionError:
+        raise permanent(_too_deep(path), reason="config.invalid") from None
+    try:
+        return _join_table(path, text, doc, table)
+    except RecursionError:
+        # Parsed, but nested deeper than the checks below (and the messages
+        # that quote values) can walk.
+        raise permanent(_too_deep(path), reason="config.invalid") from None
+
+
+def _too_deep(path: Path) -> str:
+    return (
+        f"config {path} nests arrays or tables too deeply to be read (thousands of levels); no [join] key takes "
+        "more than a list of plain values: fix or replace the file"
+    )
+
+
+def _read(path: Path) -> bytes | None:
+    """The file's bytes, from a regular file of a config's size; None for
+    /dev/null, the usual way to say "no config" (`--config /dev/null`).
+    Opened without blocking (a FIFO would wait for a writer for ever) and
+    checked before it is read: /dev/zero never ends, and another device or
+    a FIFO is no config anyone wrote."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except IsADirectoryError:
+        raise permanent(
+            f"config {path} is a directory; name the TOML file itself", reason="config.unreadable"
+        ) from None
+    except OSError as exc:
+        raise permanent(
+            f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}", reason="config.unreadable"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise permanent(f"config {path} is a directory; name the TOML file itself", reason="config.unreadable")
+        if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == _DEV_NULL:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise permanent(
+                f"config {path} is {_file_type(st.st_mode)}, not a regular file: a config is a TOML file; point "
+                f"--config / ${CONFIG_ENV} at one",
+                reason="config.unreadable",
+            )
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise permanent(
+                f"config {path} is {human.size(st.st_size)}, more than any config ({human.size(MAX_CONFIG_BYTES)} "
+                f"at most): is it the right file? point --config / ${CONFIG_ENV} at the TOML file with [join]",
+                reason="config.unreadable",
+            )
+        chunks = []
+        left = MAX_CONFIG_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        raw = b"".join(chunks)
+    except OSError as exc:
+        raise permanent(
+            f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}", reason="config.unreadable"
+        ) from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise permanent(
+            f"config {path} grew past {human.size(MAX_CONFIG_BYTES)} while it was read: point --config / "
+            f"${CONFIG_ENV} at a TOML file that is not being written",
+            reason="config.unreadable",
+        )
+    return raw
+
+
+def _check_trust(path: Path) -> None:
+    """As root, a config only root could have written: root does what it
+    says (an ssh option such as ProxyCommand runs a command, a flake builds
+    what it names), so whoever can edit it, or swap it, owns the box.
+    Another user's own config is theirs to trust."""
+    if os.geteuid() != 0:
+        return
+    from prepare import trust
+
+    found = trust.doubt(str(path))
+    if found is not None:
+        raise permanent(
+            f"config {path} is not trusted: {found.path} {found.why}. fdl-prepare runs as root and does what "
+            f"its config says (an ssh option such as ProxyCommand runs a command), so only root may be able to "
+            f"change it. Fix: {found.fix}",
+            reason="config.untrusted",
+        )
+
+
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> dict[str, Any]:
 
     if "join" not in doc:
         typo = next((k for k in doc if _looks_like_join(k)), None)
@@ -322,10 +430,19 @@ def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
     is a permanent Fail naming the spec field, before any step runs, never a
     traceback from deep inside one. Returns the spec with its values in the
     form resolve gives them (a URL without surrounding spaces)."""
-    problems = []
+    problems = _shape_problems(spec, table)
+    if problems:
+        raise permanent(_problems_message("PrepareSpec", problems), reason="config.invalid")
     for f in table.fields:
         value = value_at(spec, f.spec)
         if value is None:
+            if f.default is not None:
+                # The steps read it as the default's type: a None there is
+                # a crash deep inside a step, not "unset".
+                problems.append(
+                    f"PrepareSpec.{f.spec} = None: {f.kind.check(None)}; leave it out for the default "
+                    f"{f.kind.show(f.default)}"
+                )
             continue
         problem = f.kind.check(value)
         if problem:
@@ -336,6 +453,50 @@ def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
     spec = _normalised(spec, table)
     _check_rules(spec)
     return spec
+
+
+@functools.cache
+def _groups(table: Table) -> dict[str, tuple[type, bool]]:
+    """Each group of the spec (`data`, `ssh`, `source`, `nix`): its class,
+    and whether it may be None."""
+    hints = typing.get_type_hints(table.spec_type)
+    out: dict[str, tuple[type, bool]] = {}
+    for f in table.fields:
+        group, dot, _ = f.spec.partition(".")
+        if not dot or group in out:
+            continue
+        declared = typing.get_args(hints[group])
+        optional = type(None) in declared
+        cls = next(t for t in declared if t is not type(None)) if optional else hints[group]
+        out[group] = (cls, optional)
+    return out
+
+
+def _shape_problems(spec: Any, table: Table) -> list[str]:
+    """A spec built in code whose groups are not the classes it declares
+    (a dict, a string, None) would fail inside a step with an
+    AttributeError: say which field instead."""
+    if not isinstance(spec, table.spec_type):
+        return [f"expected a {table.spec_type.__name__}, got {type(spec).__name__}"]
+    problems = []
+    for group, (cls, optional) in _groups(table).items():
+        value = getattr(spec, group, None)
+        if value is None and optional:
+            continue
+        if not isinstance(value, cls):
+            got = "None" if value is None else type(value).__name__
+            problems.append(
+                f"PrepareSpec.{group} = {_short_repr(value)}: expected a {cls.__name__} "
+                f"(PrepareSpec({group}={cls.__name__}(...))), got {got}"
+            )
+    if not isinstance(spec.origins, Mapping):
+        problems.append(f"PrepareSpec.origins = {_short_repr(spec.origins)}: expected a mapping; leave it out")
+    return problems
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _normalised(spec: PrepareSpec, table: Table) -> PrepareSpec:
@@ -449,7 +610,12 @@ def _validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool
 def _hint(kind: Kind, key: str, value: Any, flags: bool) -> str:
     if flags:
         return ""
-    if kind.check is STRING.check and isinstance(value, (int, float)) and not isinstance(value, bool):
+    if (
+        kind.flag_type is str
+        and kind.example is None
+        and isinstance(value, (int, float))
+        and not isinstance(value, bool)
+    ):
         return f'; quote it: {key} = "{value}"'
     if kind.flag_type is list and isinstance(value, str):
         return f"; write it as a list: {key} = {kind.show([value])}"
@@ -466,7 +632,7 @@ def _unquoted(kind: Kind, value: str) -> str | None:
     text = value.strip()
     if kind is BOOLEAN and text.lower() in ("true", "false"):
         return text.lower()
-    if kind in (PORT, SECONDS) and re.fullmatch(r"\d+(\.\d+)?", text):
+    if kind in (PORT, SECONDS, LIST_SECONDS, BUILD_SECONDS) and re.fullmatch(r"\d+(\.\d+)?", text):
         return text
     if kind is DEVICES and re.fullmatch(r"\d+(\s*,\s*\d+)*", text):
         return "[" + ", ".join(p.strip() for p in text.split(",")) + "]"

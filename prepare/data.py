@@ -64,7 +64,7 @@ def ensure_root(spec: PrepareSpec, notes: list[str]) -> str | None:
         listing.verify(path, spec.list_timeout_s, mounted_from=None)
         return path
 
-    source = sshfs_url.parse_source(data.data_source)
+    source = sshfs_url.with_tunnel_defaults(sshfs_url.parse_source(data.data_source), spec.ssh, notes)
     mountpoint = _absolute(data.data_path if data.data_path is not None else DEFAULT_DATA_PATH, "data_path")
     if mountpoint == "/":
         raise permanent(

@@ -206,6 +206,15 @@ def _probe(directory: str, what: str, origin: str, *, var: str | None = None) ->
         raise failure
 
 
+def unusable(
+    path: str, what: str, origin: str, exc: OSError, *, creating: bool = False, var: str | None = None
+) -> Fail:
+    """The permanent Fail for a directory that cannot be created or
+    written, worded from the error: for directories of other steps (the
+    build's state directory), where `var` is the setting that moves it."""
+    return _unusable(path, what, origin, exc, creating=creating, var=var)
+
+
 def _unusable(
     path: str, what: str, origin: str, exc: OSError, *, creating: bool = False, var: str | None = None
 ) -> Fail:

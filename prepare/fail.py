@@ -24,6 +24,8 @@ Reason = Literal[
     "config.missing",
     "config.unreadable",
     "config.invalid",
+    "config.untrusted",
+    "config.credentials-in-url",
     # the GPU gate
     "gpu.nvml-module-missing",
     "gpu.no-driver",
@@ -44,6 +46,7 @@ Reason = Literal[
     # the dataset root
     "data.mountpoint-unusable",
     "data.identity-unreadable",
+    "data.identity-unusable",
     "data.sshfs-missing",
     "data.unreachable",
     "data.dead-mount",
@@ -53,6 +56,7 @@ Reason = Literal[
     # node-local directories and locks
     "dirs.no-home",
     "dirs.unwritable",
+    "state.untrusted",
     "lock.busy",
     # Nix itself, and what a nix call said
     "nix.missing",
@@ -77,6 +81,7 @@ Reason = Literal[
     "source.unreachable",
     "source.not-published",
     "source.manifest-invalid",
+    "source.cwd-escapes",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
     "flake.contract-broken",

@@ -30,6 +30,7 @@ from datetime import date, datetime, time
 from typing import Any
 
 from prepare.fail import permanent
+from prepare.redact import credentials, redact
 from prepare.spec import PrepareSpec
 
 FLAKE_ENV = "FDL_PREPARE_FLAKE"
@@ -49,6 +50,8 @@ _SECRET_KEY_BYTES = 64
 
 def kind_of(value: Any) -> str:
     """What a value is, in TOML's words."""
+    if value is None:
+        return "None"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int):
@@ -88,11 +91,18 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Every string of the config ends up as a path, a URL or an argument, and
+# none of those can hold a NUL (the kernel's strings end at it).
+_NUL = "contains a NUL character (\\u0000), which no path, URL or command line can hold: remove it"
+
+
 def _string(value: Any) -> str | None:
     if not isinstance(value, str):
         return f"expected a string, got {kind_of(value)}"
     if not value.strip():
         return "expected a non-empty string; leave it out to keep it unset"
+    if "\0" in value:
+        return _NUL
     return None
 
 
@@ -126,6 +136,59 @@ def _seconds(value: Any) -> str | None:
     return None
 
 
+def _seconds_within(low: float, high: float, what: str) -> Checker:
+    """A bound in seconds that a timer can hold and that leaves the work
+    time to happen: far below `low`, every attempt times out, transient for
+    ever; past `high`, a wedged call holds the box for good (and a timer
+    past what the OS can wait crashes its thread)."""
+
+    def check(value: Any) -> str | None:
+        problem = _seconds(value)
+        if problem is not None:
+            return problem
+        if not low <= value <= high:
+            return f"expected {low:g} to {high:g} seconds ({what}), got {value:g}"
+        return None
+
+    return check
+
+
+# Absolute, and nothing a shell would have expanded: `~` is taken literally
+# by everything below the shell, and a relative path resolves against the
+# working directory, `/` under systemd.
+def _absolute_path(value: Any) -> str | None:
+    problem = _string(value)
+    if problem is not None:
+        return problem
+    if value.startswith("~"):
+        return (
+            "starts with '~', which only a shell expands (here it would be a directory named '~'): write the "
+            "absolute path, e.g. /var/lib/fdl-prepare"
+        )
+    if not value.startswith("/"):
+        return (
+            "is a relative path, which would resolve against the working directory (`/` under systemd): write "
+            "the absolute path, e.g. /var/lib/fdl-prepare"
+        )
+    return None
+
+
+def _ssh_target(value: Any) -> str | None:
+    problem = _string(value)
+    if problem is not None:
+        return problem
+    if value.strip().startswith("-"):
+        return "starts with '-', which ssh would read as an option: write the host name"
+    if any(c.isspace() or not c.isprintable() for c in value.strip()):
+        return "has whitespace or a control character, which no host name has"
+    return None
+
+
+def _ssh_user(value: Any) -> str | None:
+    problem = _ssh_target(value)
+    return problem.replace("host name", "user name") if problem else None
+
+
 def _devices(value: Any) -> str | None:
     if not isinstance(value, (list, tuple)):
         return f"expected an array of device indices such as [0, 1], got {kind_of(value)}"
@@ -134,15 +197,23 @@ def _devices(value: Any) -> str | None:
             "an empty list offers no device at all; leave it out to offer every visible device, "
             "or set cpu_only for a box without one"
         )
+    # One pass with a set: a list of 100,000 entries (a generated config)
+    # is checked in milliseconds, not the minutes a pairwise search takes.
+    seen: set[int] = set()
     for item in value:
         if not _is_int(item):
-            return f"expected device indices (integers from 0), but {show(item)} is {kind_of(item)}"
+            return f"expected device indices (integers from 0), but {_show_short(item)} is {kind_of(item)}"
         if item < 0:
             return f"expected device indices from 0 up, got {item}"
-    seen = [d for i, d in enumerate(value) if d in value[:i]]
-    if seen:
-        return f"device {seen[0]} is listed twice"
+        if item in seen:
+            return f"device {item} is listed twice"
+        seen.add(item)
     return None
+
+
+def _show_short(value: Any) -> str:
+    text = show(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _strings(value: Any, example: str = '["ServerAliveInterval=15"]') -> str | None:
@@ -153,6 +224,8 @@ def _strings(value: Any, example: str = '["ServerAliveInterval=15"]') -> str | N
             return f"expected an array of strings, but {show(item)} is {kind_of(item)}"
         if not item.strip():
             return "expected non-empty strings, got an empty one"
+        if "\0" in item:
+            return f"{show(item)} {_NUL}"
     return None
 
 
@@ -167,9 +240,16 @@ def store_urls(value: Any) -> str | None:
     for item in value:
         if not isinstance(item, str):
             return f"expected an array of store URLs, but {show(item)} is {kind_of(item)}"
+        found = credentials(item)
+        if found is not None:
+            return (
+                f"{redact(show(item))} carries {found} in the URL (hidden here), which would sit on every nix "
+                "command line (`ps` shows it to every user): remove it, treat it as leaked, and give Nix the "
+                "credential in a netrc file (`netrc-file = /etc/nix/netrc` in nix.conf, mode 0600)"
+            )
         # Nix splits the setting on whitespace: one URL with a space would
         # reach it as two, neither of them the cache meant.
-        if not _STORE_URL.fullmatch(item.strip()):
+        if not _STORE_URL.fullmatch(item.strip()) or "\0" in item:
             return (
                 f"{show(item)} is not a store URL: write one URL per item, with its scheme and no spaces "
                 "(https://host/path, s3://bucket, ssh-ng://user@host, file:///abs/dir)"
@@ -200,12 +280,37 @@ def _public_keys(value: Any) -> str | None:
                 "treat it as leaked (make a new key pair and publish again), and list the public half here "
                 "(`nix key convert-secret-to-public < SECRET_FILE`)"
             )
-        if not name or any(c.isspace() for c in item.strip()) or size != _PUBLIC_KEY_BYTES:
+        if not name or any(c.isspace() or c == "\0" for c in item.strip()) or size != _PUBLIC_KEY_BYTES:
             return (
                 f"{show(item)} is not a public key: expected name:base64 of an ed25519 key, as "
                 "`nix key convert-secret-to-public < SECRET_FILE` prints it"
             )
     return None
+
+
+# What a private key's text holds and no path does: a PEM or OpenSSH
+# armour line, or the base64 of OpenSSH's "openssh-key-v1" magic.
+_KEY_MATERIAL = re.compile(r"-----BEGIN|PRIVATE KEY|b3BlbnNzaC1rZXktdjE|\n")
+
+
+def looks_like_key(value: Any) -> bool:
+    """Whether a value meant as a key's path is the key itself, pasted in."""
+    return isinstance(value, str) and (len(value) > 4096 or bool(_KEY_MATERIAL.search(value)))
+
+
+def _identity_file(value: Any) -> str | None:
+    if looks_like_key(value):
+        # Said without the value: it is a secret, and messages land in journals.
+        return (
+            "holds what looks like a private key itself, not the path of a key file: put the key in a file "
+            "only root can read (e.g. /etc/fdl/id_ed25519, mode 0600) and its path here; the key has been in "
+            "the config (and anything that copied it), so treat it as leaked and make a new one"
+        )
+    return _string(value)
+
+
+def _show_identity(value: Any) -> str:
+    return "<private key material, not shown>" if looks_like_key(value) else show(value)
 
 
 def _show_keys(value: Any) -> str:
@@ -270,12 +375,25 @@ class Kind:
 STRING = Kind("string", _string, str)
 # A URL handed to Nix: surrounding spaces (easy to leave in a hand-edited file
 # or a join loop's string) would reach `nix flake prefetch` as part of it.
-URL = Kind("url", _string, str, to_spec=_stripped)
+URL = Kind("url", _string, str, to_spec=_stripped, show=lambda v: redact(show(v)))
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
 COUNT = Kind("count", _count, int, example="8")
-DEVICES = Kind("devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple)
+# A listing answers in milliseconds; past an hour a mount is dead.
+LIST_SECONDS = Kind(
+    "seconds", _seconds_within(0.1, 3600, "a tenth of a second to an hour"), float, example="30", to_spec=float
+)
+# A cold build of libtorch and a training binary takes hours, not months.
+BUILD_SECONDS = Kind(
+    "seconds", _seconds_within(1, 30 * 86400, "a second to 30 days"), float, example="3600", to_spec=float
+)
+ABSOLUTE_PATH = Kind("absolute path", _absolute_path, str)
+SSH_HOST = Kind("ssh host", _ssh_target, str)
+SSH_USER = Kind("ssh user", _ssh_user, str)
+DEVICES = Kind(
+    "devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple, show=lambda v: _show_short(v)
+)
 STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
 
 
@@ -291,7 +409,15 @@ def _stripped_all(value: Any) -> Any:
     return tuple(v.strip() for v in value)
 
 
-STORE_URLS = Kind("store URLs", store_urls, list, example='["https://cache.example.org"]', to_spec=_stripped_all)
+IDENTITY = Kind("identity file", _identity_file, str, show=_show_identity)
+STORE_URLS = Kind(
+    "store URLs",
+    store_urls,
+    list,
+    example='["https://cache.example.org"]',
+    to_spec=_stripped_all,
+    show=lambda v: redact(show(v)),
+)
 PUBLIC_KEYS = Kind(
     "public keys",
     _public_keys,
@@ -438,7 +564,7 @@ FIELDS: tuple[Field, ...] = (
         key="state_dir",
         flag="--state-dir",
         spec="state_dir",
-        kind=STRING,
+        kind=ABSOLUTE_PATH,
         metavar="DIR",
         # systemd joins several StateDirectory= entries with ':'; the first is the unit's own.
         env=Env(STATE_ENV, note="systemd's StateDirectory=", separator=":"),
@@ -449,7 +575,7 @@ FIELDS: tuple[Field, ...] = (
         key="list_timeout",
         flag="--list-timeout",
         spec="list_timeout_s",
-        kind=SECONDS,
+        kind=LIST_SECONDS,
         metavar="SECONDS",
         default=10.0,
         help="Give up listing the dataset root after this long (dead mount). Default: 10.",
@@ -458,7 +584,7 @@ FIELDS: tuple[Field, ...] = (
         key="build_timeout",
         flag="--build-timeout",
         spec="build_timeout_s",
-        kind=SECONDS,
+        kind=BUILD_SECONDS,
         metavar="SECONDS",
         help="Abandon a build running longer than this (transient).",
     ),
@@ -529,10 +655,11 @@ FIELDS: tuple[Field, ...] = (
         key="ssh.target",
         flag="--ssh-target",
         spec="ssh.target",
-        kind=STRING,
+        kind=SSH_HOST,
         metavar="HOST",
         nix="nullOr str",
-        help="ssh target of the controller tunnel.",
+        help="ssh host of the controller tunnel (the join loop dials it); a data_source on this host takes "
+        "--ssh-user and --ssh-port as its defaults.",
     ),
     Field(
         key="ssh.port",
@@ -541,22 +668,22 @@ FIELDS: tuple[Field, ...] = (
         kind=PORT,
         metavar="PORT",
         nix="nullOr port",
-        help="ssh port.",
+        help="ssh port on --ssh-target; the port of a data_source on that host that names none.",
     ),
     Field(
         key="ssh.user",
         flag="--ssh-user",
         spec="ssh.user",
-        kind=STRING,
+        kind=SSH_USER,
         metavar="USER",
         nix="nullOr str",
-        help="ssh user.",
+        help="ssh user on --ssh-target; the user of a data_source on that host that names none.",
     ),
     Field(
         key="ssh.identity_file",
         flag="--identity-file",
         spec="ssh.identity_file",
-        kind=STRING,
+        kind=IDENTITY,
         metavar="PATH",
         nix="nullOr str",
         help="ssh identity file (used for the sshfs mount).",

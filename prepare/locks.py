@@ -14,8 +14,10 @@ to take breaks the exclusion.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,14 +36,24 @@ def open_lock(path: str) -> int:
     # Read-only is enough for flock, and works on a file another user created
     # in a sticky directory. Opening with O_CREAT an existing file owned by
     # someone else there fails under fs.protected_regular, so create only
-    # when it is missing.
+    # when it is missing. Never through a symlink, and never a device or a
+    # FIFO (opening one can block or act), whoever put it there: the mount
+    # lock lives in a directory every user can write.
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     while True:
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, flags)
         except FileNotFoundError:
             pass
+        else:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                os.close(fd)
+                code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+                raise OSError(code, "not a regular file (a lock file is one)", path)
+            return fd
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             continue
         with contextlib.suppress(OSError):

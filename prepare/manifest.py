@@ -16,8 +16,10 @@ Pure: reading a file, parsing and merging. No subprocesses.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+import stat
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +100,12 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
             f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}",
             reason="source.manifest-invalid",
         ) from None
+    except RecursionError:
+        raise transient(
+            f"the run manifest {where} nests arrays or tables thousands of levels deep, past what can be read: "
+            f"publish a fixed {FILENAME}",
+            reason="source.manifest-invalid",
+        ) from None
     values: dict[str, Any] = {}
     for key in _FIELDS:
         if key not in table:
@@ -108,8 +116,18 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
         if ok and key in ("args", "smoke"):
             ok = all(isinstance(a, str) for a in value)
         if not ok:
+            shown = repr(value)
+            shown = shown if len(shown) <= 200 else shown[:197] + "..."
             raise transient(
-                f"the run manifest {where} has {key} = {value!r}, expected {described}: publish a fixed {FILENAME}",
+                f"the run manifest {where} has {key} = {shown}, expected {described}: publish a fixed {FILENAME}",
+                reason="source.manifest-invalid",
+            )
+        # A NUL ends every path and argument the kernel takes: no command
+        # line or path could carry the value as written.
+        if any("\0" in item for item in (value if key == "args" else [value]) if isinstance(item, str)):
+            raise transient(
+                f"the run manifest {where} has a NUL character (\\u0000) in {key}, which no path or argument can "
+                f"hold: publish a fixed {FILENAME}",
                 reason="source.manifest-invalid",
             )
         values[key] = tuple(value) if key in ("args", "smoke") else value
@@ -125,11 +143,16 @@ def read(source_root: str) -> Manifest | None:
     replacement characters: a garbled run id would pass silently."""
     path = os.path.join(source_root, FILENAME)
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
+        raw = _read_file(path)
     except FileNotFoundError:
         return None
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise transient(
+                f"the run manifest {path} is a symlink: a manifest is a file of the published tree, and root reads "
+                f"nothing outside it: publish {FILENAME} as a plain file",
+                reason="source.manifest-invalid",
+            ) from None
         raise transient(
             f"cannot read the run manifest {path}: {human.oserror(err)}", reason="source.manifest-invalid"
         ) from None
@@ -143,6 +166,34 @@ def read(source_root: str) -> Manifest | None:
             reason="source.manifest-invalid",
         ) from None
     return parse(text, where=path)
+
+
+# A manifest is a few hundred bytes; a larger "manifest" is not one.
+MAX_BYTES = 1 << 20
+
+
+def _read_file(path: str) -> bytes:
+    """The manifest's bytes: never through a symlink (a published tree could
+    point it at any file of this box, or at /dev/zero), never a device or a
+    FIFO, and never more than MAX_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        raw = b""
+        while len(raw) <= MAX_BYTES:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                break
+            raw += chunk
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_BYTES:
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), path)
+    return raw
 
 
 def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> str:
@@ -264,8 +315,28 @@ def check_tree(recipe: Recipe, source_root: str, source_url: str) -> None:
     """`cwd` must be a directory of the fetched tree. Checked here, before
     the build, because the flake's own refusal is an evaluation error
     (permanent), while a publish that names a missing directory is fixed by
-    the next publish."""
-    if os.path.isdir(os.path.join(source_root, recipe.cwd)):
+    the next publish.
+
+    A `cwd` that leads out of the tree through a symlink is permanent
+    whoever set it: the build and the run would work in a directory of this
+    box that no publish pinned (the run's `cwd` is handed on as the
+    symlink's path), and retrying builds it again the same way."""
+    where = os.path.join(source_root, recipe.cwd)
+    if os.path.isdir(where):
+        real_root = os.path.realpath(source_root)
+        real = os.path.realpath(where)
+        if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+            origin = (
+                f"the run manifest {FILENAME} in {source_url!r} has"
+                if "cwd" in recipe.from_manifest
+                else "source.cwd (--source-cwd) is"
+            )
+            raise permanent(
+                f"{origin} cwd = {recipe.cwd!r}, which leads out of the training source through a symlink (to "
+                f"{real}): a build and a run work inside the tree that was published. Publish a tree whose cwd is "
+                f"a directory of its own (and, for a box's value, fix [join.source] cwd), then restart the unit",
+                reason="source.cwd-escapes",
+            )
         return
     if "cwd" in recipe.from_manifest:
         raise transient(

@@ -13,12 +13,16 @@ side or the network (transient).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import os
 import posixpath
 import re
 import shlex
+import stat
 import time
+from collections.abc import Mapping
 
 from prepare import human, listing, mounts, proc
 from prepare.fail import Fail, permanent, transient
@@ -45,7 +49,7 @@ def establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[st
     the mount lock."""
     existing = mounts.mounted_at(mountpoint)
     if existing is None:
-        _mount(source, mountpoint, spec.ssh)
+        _mount(source, mountpoint, spec.ssh, notes)
         notes.append(f"mounted `{source.remote}` read-only at {mountpoint}")
         listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
         return
@@ -59,7 +63,7 @@ def establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[st
             # ENOTCONN forever. It is our own mount of our own source, so
             # replacing it is the repair, not a trespass.
             _unmount(mountpoint)
-            _mount(source, mountpoint, spec.ssh)
+            _mount(source, mountpoint, spec.ssh, notes)
             notes.append(
                 f"the earlier mount of `{source.remote}` at {mountpoint} had lost its sshfs process "
                 f"(transport endpoint not connected); unmounted it and mounted it again read-only"
@@ -113,7 +117,7 @@ def _ensure_mountpoint(mountpoint: str) -> None:
         ) from None
 
 
-def _check_identity(ssh: SshSpec | None) -> None:
+def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None) -> None:
     """ssh skips an IdentityFile it cannot load and carries on with the
     keys it has left, so a mistyped key path only ever surfaces as the far
     side refusing us: a transient failure, retried forever. Open it here,
@@ -136,7 +140,8 @@ def _check_identity(ssh: SshSpec | None) -> None:
             reason="data.identity-unreadable",
         ) from None
     try:
-        os.read(fd, 1)
+        st = os.fstat(fd)
+        text = os.read(fd, _KEY_BYTES) if stat.S_ISREG(st.st_mode) else os.read(fd, 1)
     except OSError as err:
         raise permanent(
             f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.",
@@ -144,6 +149,58 @@ def _check_identity(ssh: SshSpec | None) -> None:
         ) from None
     finally:
         os.close(fd)
+    _check_key(key, st, text, env or os.environ)
+
+
+# A private key file is a few KiB at most.
+_KEY_BYTES = 1 << 16
+
+
+def _check_key(key: str, st: os.stat_result, text: bytes, env: Mapping[str, str]) -> None:
+    """What ssh would refuse about the key itself, said before the mount
+    tries: sshfs backgrounds ssh with its stderr on /dev/null, so the far
+    side's "Permission denied" would be all that shows, and that reads as
+    transient: the box would retry a key ssh never sends, for ever."""
+    # OpenSSH's own rule (sshkey_perm_ok): a key its user owns must be
+    # readable by nobody else, or it is ignored.
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        raise permanent(
+            f"the ssh identity file {key} has mode {stat.S_IMODE(st.st_mode):04o}: ssh refuses a private key "
+            f"that others can read (\"Permissions {stat.S_IMODE(st.st_mode):04o} for '{key}' are too open\") and "
+            f"does not use it. `chmod 600 {key}`; set `ssh.identity_file` (flag --identity-file) to the key the "
+            "data host accepts",
+            reason="data.identity-unusable",
+        )
+    if _encrypted(text) and not env.get("SSH_AUTH_SOCK"):
+        raise permanent(
+            f"the ssh identity file {key} has a passphrase, and the mount runs with BatchMode=yes, which cannot "
+            'type one (ssh would only say "Permission denied (publickey)", and the box would retry for ever). '
+            f"Remove the passphrase (`ssh-keygen -p -N '' -f {key}`, the file kept mode 0600), or load the key "
+            "into an ssh-agent whose socket the unit gets as SSH_AUTH_SOCK (the NixOS module's sshAuthSock)",
+            reason="data.identity-unusable",
+        )
+
+
+def _encrypted(text: bytes) -> bool:
+    """Whether a private key file's text says it is encrypted: PEM's
+    `Proc-Type: 4,ENCRYPTED` or an encrypted PKCS#8 block, or an OpenSSH
+    key whose cipher is not "none"."""
+    if b"Proc-Type: 4,ENCRYPTED" in text or b"BEGIN ENCRYPTED PRIVATE KEY" in text:
+        return True
+    begin, end = b"-----BEGIN OPENSSH PRIVATE KEY-----", b"-----END OPENSSH PRIVATE KEY-----"
+    if begin not in text or end not in text:
+        return False
+    body = text.split(begin, 1)[1].split(end, 1)[0]
+    try:
+        raw = base64.b64decode(b"".join(body.split()), validate=True)
+    except (ValueError, binascii.Error):
+        return False
+    magic = b"openssh-key-v1\0"
+    if not raw.startswith(magic) or len(raw) < len(magic) + 4:
+        return False
+    size = int.from_bytes(raw[len(magic) : len(magic) + 4], "big")
+    cipher = raw[len(magic) + 4 : len(magic) + 4 + size]
+    return cipher != b"none"
 
 
 # What ssh prints when the options it was started with do not parse. It
@@ -175,7 +232,54 @@ def _option_errors(stderr: str) -> list[str]:
     return [line for line in lines if _OPTION_ERROR.match(line) or _FILE_LINE.match(line)]
 
 
-def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
+# Where systemd, as PID 1, keeps its runtime state: what sd_booted(3)
+# checks to know that systemd is the init system.
+_SYSTEMD_RUNTIME = "/run/systemd/system"
+
+# What systemd-run prints when it cannot make the scope (no bus, no
+# permission); it has not started the command then.
+_SCOPE_REFUSED = re.compile(r"^Failed to (?:start transient scope unit|create bus connection|connect to bus)", re.M)
+
+
+def _scope(mountpoint: str) -> list[str]:
+    """The prefix that runs sshfs in a transient scope of its own, outside
+    the cgroup of the unit that started fdl-prepare, or [] where there is
+    no systemd to ask (a container, another init: then nothing kills a
+    unit's cgroup either).
+
+    The sshfs daemon is the mount: a daemon left in the unit's cgroup is
+    killed by every `systemctl restart` (each settings change does one),
+    and the dataset mount under a running job goes with it (the mechanism
+    of stargz-snapshotter#2387). `KillMode=process` would spare it too,
+    but would also spare everything else a stopped attempt leaves (nix's
+    builders, a listing wedged on a dead mount), so the unit keeps
+    systemd's default and the daemon moves out instead. Only root may make
+    a scope in the system manager."""
+    if os.geteuid() != 0 or not os.path.isdir(_SYSTEMD_RUNTIME):
+        return []
+    runner = proc.which("systemd-run")
+    if runner is None:
+        return []
+    return [runner, "--scope", "--quiet", "--collect", f"--description=fdl-prepare: sshfs mount at {mountpoint}", "--"]
+
+
+def _run_sshfs(argv: list[str], mountpoint: str, notes: list[str]) -> proc.Completed:
+    """sshfs, in a scope of its own when systemd can give it one."""
+    scope = _scope(mountpoint)
+    if scope:
+        done = proc.run([*scope, *argv], timeout=MOUNT_TIMEOUT_S)
+        refused = _SCOPE_REFUSED.search(done.stderr)
+        if done.ok or refused is None:
+            return done
+        line = done.stderr[refused.start() :].splitlines()[0]
+        notes.append(
+            f"systemd-run could not give the sshfs mount at {mountpoint} a scope of its own ({line}): mounted "
+            "inside this unit instead, so a restart of the unit takes the mount down with it"
+        )
+    return proc.run(argv, timeout=MOUNT_TIMEOUT_S)
+
+
+def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> None:
     if proc.which("sshfs") is None:
         raise _no_sshfs(source)
     _check_identity(ssh)
@@ -184,7 +288,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
     where = f"mounting data_source `{source.url}` at {mountpoint}"
     start = time.monotonic()
     try:
-        done = proc.run(argv, timeout=MOUNT_TIMEOUT_S)
+        done = _run_sshfs(argv, mountpoint, notes)
     except proc.Missing:
         raise _no_sshfs(source) from None
     except proc.TimedOut as late:
@@ -212,7 +316,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
             # cost every good mount a wait. So only a quick failure is asked
             # again, verbosely: those are the ones with a reason to give.
             try:
-                again = proc.run(verbose, timeout=MOUNT_TIMEOUT_S)
+                again = _run_sshfs(verbose, mountpoint, [])
             except (proc.Missing, proc.TimedOut):
                 again = None
             if again is not None and again.ok and _is_sshfs_at(mountpoint):
@@ -231,8 +335,26 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec) -> None:
         )
 
 
+# What ssh says when it will not use a private key it was given (one named
+# by an IdentityFile in ssh.options, which _check_key does not read): the
+# key is this box's, and no retry changes it.
+_KEY_REFUSED = re.compile(
+    r'^(?:Load key "[^"]*": (?:bad permissions|incorrect passphrase supplied to decrypt private key|invalid format)'
+    r"|Permissions \d+ for '[^']*' are too open\.)"
+)
+
+
 def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str]) -> Fail:
     """Why sshfs exited non-zero, from what it (or its verbose retry) said."""
+    keys = [line.strip() for line in f"{done.stderr}\n{said}".splitlines() if _KEY_REFUSED.match(line.strip())]
+    if keys:
+        return permanent(
+            f"{where}: ssh will not use the private key it was given (ssh said: {' / '.join(dict.fromkeys(keys))}). "
+            "That is this box's key, not the far side: `chmod 600` a key others can read, remove a passphrase "
+            "(`ssh-keygen -p -N '' -f KEY`) or load the key into an ssh-agent, and check `ssh.identity_file` "
+            f"(flag --identity-file) and any IdentityFile in `ssh.options`. Try it by hand: `{shlex.join(verbose)}`",
+            reason="data.identity-unusable",
+        )
     refused = _option_errors(f"{done.stderr}\n{said}")
     if refused:
         # Transient would restart the unit into the same refusal forever.

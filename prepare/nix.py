@@ -17,6 +17,10 @@ Every call goes through `Nix`, which holds the flags every call shares:
   stops the attempt (permanent), whichever call it answered.
 - `--no-write-lock-file`: the flake may live in a read-only store path, and a
   prepare must not edit the operator's checkout.
+- `--` before every installable, URL and store path: nothing from a
+  config, a flag or a manifest is ever read as an option (a `--flake
+  -f/file` would otherwise evaluate a file impurely). Nix's argument
+  parser has ended options at `--` since 2.0; 2.8 and 2.26 alike.
 - `--no-eval-cache` on eval and build: Nix 2.8 caches a *failed* evaluation of
   a locked flake and answers the repeat with a generic "is not an attribute
   set", which would hide the `throw` message a 3 a.m. operator needs
@@ -28,6 +32,7 @@ fails becomes a `Fail` in `nix_diagnosis`, from its phase and that log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -37,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prepare import caches, proc
+from prepare import caches, human, proc, state
 from prepare.fail import Fail, Reason, permanent, transient
 from prepare.nix_diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix_log import Log, strip_ansi
@@ -137,12 +142,16 @@ class Nix:
     def _ensure_registry(self) -> None:
         # An empty registry: flake references must be full URLs; nothing is
         # looked up by name, locally or on the network.
-        if os.path.exists(self.registry):
+        if os.path.lexists(self.registry):
             return
-        tmp = f"{self.registry}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write('{"flakes": [], "version": 2}\n')
-        os.replace(tmp, self.registry)
+        try:
+            state.write_file(self.registry, b'{"flakes": [], "version": 2}\n', "state directory")
+        except OSError as err:
+            raise permanent(
+                f"cannot write the empty flake registry {self.registry}: {human.oserror(err)}; make the state "
+                "directory writable for this user, or set state_dir (--state-dir) to a directory it can write",
+                reason="dirs.unwritable",
+            ) from None
 
     def _run(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Completed:
         try:
@@ -187,13 +196,14 @@ class Nix:
         fix: str | None = None,
     ) -> Any:
         self._ensure_registry()
-        argv = self._common() + ["eval", "--json", "--no-write-lock-file", "--no-eval-cache", installable]
+        argv = self._common() + ["eval", "--json", "--no-write-lock-file", "--no-eval-cache"]
         if apply is not None:
             argv += ["--apply", apply]
+        argv += ["--", installable]
         outcome = self._call(argv, timeout, doing or f"evaluating {installable}", EVALUATION, fix=fix)
         try:
             return json.loads(outcome.completed.stdout)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise permanent(
                 f"{doing or 'evaluating ' + installable}: nix printed no JSON "
                 f"({outcome.completed.stdout[:200]!r}); is the flake's output a plain value?",
@@ -216,12 +226,19 @@ class Nix:
         # tarball-ttl 0: a remote git ref (or tarball URL) is otherwise
         # resolved from Nix's cache for an hour, and a re-dial right after a
         # publish would build the previous commit.
-        argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", url]
+        argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", url]
         outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH, unreachable=unreachable)
         try:
             data = json.loads(outcome.completed.stdout)
-            return Prefetched(url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked"))
-        except (ValueError, KeyError, TypeError):
+            prefetched = Prefetched(
+                url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked")
+            )
+            if not (isinstance(prefetched.store_path, str) and isinstance(prefetched.nar_hash, str)):
+                raise TypeError("storePath and hash are not strings")
+            if prefetched.locked is not None and not isinstance(prefetched.locked, dict):
+                raise TypeError("locked is not an object")
+            return prefetched
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise transient(
                 f"{doing or 'fetching ' + url}: `nix flake prefetch` printed no store path "
                 f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
@@ -242,11 +259,11 @@ class Nix:
         `lastModified` is left out: a touched but unchanged tree is the
         same flake."""
         self._ensure_registry()
-        argv = self._common() + ["flake", "metadata", "--json", "--no-write-lock-file", flake]
+        argv = self._common() + ["flake", "metadata", "--json", "--no-write-lock-file", "--", flake]
         try:
             completed = self._run(argv, timeout, Log())
             data = json.loads(completed.stdout) if completed.returncode == 0 else None
-        except (proc.TimedOut, ValueError):
+        except (proc.TimedOut, ValueError, RecursionError):
             return None
         if not isinstance(data, dict) or not isinstance(data.get("locked"), dict):
             return None
@@ -254,8 +271,10 @@ class Nix:
         if not isinstance(nar_hash, str) or not nar_hash:
             return None
         nodes = (data.get("locks") or {}).get("nodes") if isinstance(data.get("locks"), dict) else None
+        if not isinstance(nodes, dict):
+            nodes = {}
         inputs = {}
-        for name, node in (nodes or {}).items():
+        for name, node in nodes.items():
             locked = node.get("locked") if isinstance(node, dict) else None
             if isinstance(locked, dict):
                 if not locked.get("narHash"):
@@ -293,12 +312,12 @@ class Nix:
             argv += ["--option", "timeout", str(max(1, int(timeout_s)))]
         for name, url in overrides.items():
             argv += ["--override-input", name, url]
-        argv += list(installables)
+        argv += ["--", *installables]
         wall = None if timeout_s is None else timeout_s + BUILD_GRACE_S
         outcome = self._call(argv, wall, doing, BUILD, source_path=source_path)
         try:
             results = [build_result(r) for r in json.loads(outcome.completed.stdout)]
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             raise transient(
                 f"{doing}: nix build printed no JSON result of a known shape "
                 f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
@@ -310,7 +329,7 @@ class Nix:
         """`nix store sign --key-file` over the closure of `paths`, in the
         local store. The key travels as a file name only: it is never on a
         command line, in the environment or in a message."""
-        argv = self._common() + ["store", "sign", "--key-file", key_file, "--recursive", *paths]
+        argv = self._common() + ["store", "sign", "--key-file", key_file, "--recursive", "--", *paths]
         return self._call(argv, timeout, doing, SIGN).log
 
     def copy(self, paths: Sequence[str], to: str, *, doing: str, timeout: float = FETCH_TIMEOUT_S) -> Log:
@@ -318,7 +337,7 @@ class Nix:
         the paths carry the publisher's signatures, which the boxes check;
         the cache is a relay whose own nix.conf need not know the key (a
         binary cache checks nothing anyway; an ssh-ng store would refuse)."""
-        argv = self._common() + ["copy", "--no-check-sigs", "--to", to, *paths]
+        argv = self._common() + ["copy", "--no-check-sigs", "--to", to, "--", *paths]
         return self._call(argv, timeout, doing, COPY).log
 
     def _call(
@@ -407,13 +426,11 @@ def _cached_version(cache_file: str, key: _VersionKey) -> tuple[int, int, int] |
 
 
 def _remember_version(cache_file: str, key: _VersionKey, version: tuple[int, int, int]) -> None:
-    try:
-        tmp = f"{cache_file}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump({"key": list(key), "version": list(version)}, handle)
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass  # only a cache: the next attempt asks again
+    data = json.dumps({"key": list(key), "version": list(version)}).encode()
+    # Only a cache: the next attempt asks again. A symlink or another
+    # user's directory in the way is the state vetting's to report.
+    with contextlib.suppress(OSError, Fail):
+        state.write_file(cache_file, data, "state directory")
 
 
 def _enterable_by_others(path: str) -> bool:

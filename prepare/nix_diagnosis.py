@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prepare.fail import Fail, Reason
 from prepare.nix_log import Activity, Log
+from prepare.redact import redact
 
 # The phase a nix call belongs to: what an error record means depends on it.
 EVALUATION = "evaluation"
@@ -287,7 +288,8 @@ def failure(
     chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
     message += f"\nFix: {chosen}"
     reason = unreachable if diagnosis.category == "fetch" else REASONS[diagnosis.category]
-    return Fail(message, permanent=diagnosis.permanent, reason=reason)
+    # Nix and git quote URLs as they found them, a flake's own inputs too.
+    return Fail(redact(message), permanent=diagnosis.permanent, reason=reason)
 
 
 def _clip(text: str, limit: int = 3000) -> str:

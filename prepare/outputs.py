@@ -13,35 +13,39 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 from typing import Any
 
-from prepare import human
+from prepare import dirs, human
+from prepare import state as state_mod
 from prepare.nix_log import Log, store_name
 
 
 def write_recipe(state: str, recipe: dict[str, Any]) -> str:
     """recipe.json, alone in its directory (the flake input copies the whole
-    directory into the store), replaced atomically."""
+    directory into the store), replaced atomically.
+
+    Written as root into a directory root also prunes, so nothing here
+    follows a link (prepare.state): the directory is opened with
+    O_NOFOLLOW, the new file gets a random name in the state directory,
+    created with O_EXCL, and a failed write (a full disk) leaves no
+    temporary file behind. Every failure is a permanent Fail."""
     directory = os.path.join(state, "recipe")
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(state, f"recipe.json.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(recipe, handle, sort_keys=True, indent=2)
-        handle.write("\n")
-    os.replace(tmp, os.path.join(directory, "recipe.json"))
-    for stray in os.listdir(directory):
-        if stray != "recipe.json":
-            _remove(os.path.join(directory, stray))
+    what = "state directory's recipe directory"
+    data = (json.dumps(recipe, sort_keys=True, indent=2) + "\n").encode()
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory, 0o755)
+        with state_mod.opened_dir(state, "state directory") as state_fd, state_mod.opened_dir(directory, what) as fd:
+            state_mod.write_at(fd, "recipe.json", data, tmp_dir=state_fd)
+            for stray in os.listdir(fd):
+                if stray != "recipe.json":
+                    state_mod.remove_at(fd, stray, os.path.join(directory, stray))
+    except OSError as err:
+        raise dirs.unusable(
+            directory, f"the recipe handed to the flake ({directory}/recipe.json)", "the state directory", err,
+            var="state_dir (--state-dir)",
+        ) from None  # fmt: skip
     return directory
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
 
 
 def store_paths(results: list[dict[str, Any]]) -> set[str]:
@@ -73,8 +77,11 @@ def identify(results: list[dict[str, Any]], bin_: str | None) -> tuple[str, str 
     """Which result is libtorch and which the training binary. Nix does not
     keep the installables' order in its JSON, so the training output is the
     one that holds the recipe's bin (the contract says it installs it to
-    $out/bin/), and libtorch is the other derivation."""
+    $out/bin/), and libtorch is the other derivation. Raises ValueError
+    when the results hold no derivation at all (an unexpected shape)."""
     built = [r for r in results if "drvPath" in r]
+    if not built:
+        raise ValueError(f"no derivation among the build results: {json.dumps(results)[:200]}")
     training = None
     if bin_ is not None and len(built) > 1:
         name = os.path.basename(bin_)

@@ -93,6 +93,10 @@ def run(
         raise Missing(program) from None
     running = command(
         *argv[1:],
+        # Dies with us even when we are SIGKILLed (no handler runs then):
+        # an orphaned nix would go on and rewrite the out-links after the
+        # state lock is gone.
+        _preexec_fn=_die_with_parent(),
         _bg=True,
         _bg_exc=False,
         _ok_code=list(range(256)),
@@ -134,6 +138,35 @@ def run(
         # or outran the signal): still past its time.
         raise TimedOut(argv, timeout or 0.0, "".join(err_lines))
     return Completed(tuple(argv), running.exit_code, _text(running.stdout), "".join(err_lines))
+
+
+# prctl(2) option: the signal a child gets when the thread that forked it dies.
+_PR_SET_PDEATHSIG = 1
+_prctl: Callable[..., int] | None = None
+
+
+def _die_with_parent() -> Callable[[], None]:
+    """A preexec hook for the child: ask the kernel to SIGKILL it when the
+    thread that started it dies (ours, which waits for it in `run`), then
+    make sure that has not already happened between fork and here. The
+    setting is cleared in the child's own children and across a setuid
+    exec, so an sshfs daemon (forked by sshfs) and a wedged listing
+    grandchild outlive us, as they must."""
+    global _prctl
+    if _prctl is None:
+        import ctypes
+
+        # Resolved before the fork: the child only makes the call.
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl = _prctl
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGKILL)
+
+    return hook
 
 
 def _text(data: bytes | str | None) -> str:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from prepare import human
+from prepare.redact import redact
 
 Event = dict[str, Any]
 # Receives progress events from the long steps (downloads, builds). The
@@ -60,6 +61,13 @@ def renderer(stream: TextIO, *, prefix: str = "fdl-prepare", live: bool | None =
     return PlainRenderer(stream, prefix=prefix)
 
 
+def _redacted(event: Event) -> Event:
+    """The event with the user-info of any URL in its strings (a step's
+    detail, a download's URL) hidden (prepare.redact), before any of it
+    reaches a terminal or a journal."""
+    return {k: redact(v) if isinstance(v, str) else v for k, v in event.items()}
+
+
 class PlainRenderer:
     """One line per started and finished build or download."""
 
@@ -78,6 +86,7 @@ class PlainRenderer:
                 pass
 
     def __call__(self, event: Event) -> None:
+        event = _redacted(event)
         kind = event.get("type")
         name = event.get("name", "?")
         if kind == "build-start":
@@ -139,6 +148,7 @@ class LiveRenderer:
                 live.stop()
 
     def __call__(self, event: Event) -> None:
+        event = _redacted(event)
         kind = event.get("type")
         if kind == "end":
             self.close()

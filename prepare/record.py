@@ -98,7 +98,10 @@ def _parse(data: Any) -> Record | None:
         if not isinstance(raw_plan, dict) or not isinstance(raw_plan.get("key"), str):
             return None
         results = raw_plan.get("results")
-        if not isinstance(results, list) or not results or not all(_result_ok(r) for r in results):
+        if not isinstance(results, list) or not all(_result_ok(r) for r in results):
+            return None
+        # A build of ours always has a derivation (libtorch) among its results.
+        if not any("drvPath" in r for r in results):
             return None
         plan = Plan(key=raw_plan["key"], results=results)
     return Record(flake_key=flake_key, variants=data["variants"], plan=plan)

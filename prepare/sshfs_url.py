@@ -122,6 +122,12 @@ def _user(value: str, scheme: str, authority: str, path: str) -> tuple[str | Non
     user, authority = authority.rsplit("@", 1)
     if not user:
         raise _bad(value, "has an empty user before `@`")
+    if user.startswith("-"):
+        # sshfs hands `user@host` to ssh as its destination argument, which
+        # ssh would read as an option (`-oProxyCommand=...`).
+        raise _bad(value, f"has a user {user!r} that starts with '-', which ssh would read as an option")
+    if any(c.isspace() or not c.isprintable() for c in user):
+        raise _bad(value, f"has whitespace or a control character in the user {user!r}")
     if ":" in user:
         # `user:password@`: the password is not quoted back, since this
         # message lands in journals; BatchMode could not type it anyway.
@@ -159,8 +165,10 @@ def _host(value: str, authority: str) -> tuple[str, str | None]:
 
     if not host:
         raise _bad(value, "names no host")
-    if any(c.isspace() for c in host):
-        raise _bad(value, f"has whitespace in the host {host!r}")
+    if host.startswith("-"):
+        raise _bad(value, f"has a host {host!r} that starts with '-', which ssh would read as an option")
+    if any(c.isspace() or not c.isprintable() for c in host):
+        raise _bad(value, f"has whitespace or a control character in the host {host!r}")
     return host, port_text
 
 
@@ -198,6 +206,70 @@ def _path(value: str, path: str) -> str:
     return path
 
 
+# -- the ssh block's tunnel target -----------------------------------------------
+
+
+def _tunnel(target: str) -> tuple[str | None, str, int | None]:
+    """`[user@]host[:port]` (the compact form the join loop's `--ssh`
+    takes), or a bare host: its user, host and port."""
+    text = target.strip()
+    user, _, host = text.rpartition("@")
+    port: int | None = None
+    if host.startswith("[") and "]" in host:
+        inside, _, after = host[1:].partition("]")
+        host, digits = inside, after.removeprefix(":")
+        port = int(digits) if digits.isascii() and digits.isdigit() else None
+    elif host.count(":") == 1:
+        name, digits = host.split(":")
+        if digits.isascii() and digits.isdigit():
+            host, port = name, int(digits)
+    return user or None, host, port
+
+
+def with_tunnel_defaults(source: Source, ssh: SshSpec | None, notes: list[str]) -> Source:
+    """`source` with the ssh block's user and port where it names none,
+    when its host is the controller tunnel's (`ssh.target`): in the shape
+    the join loop is built for, the data host IS the controller box, and
+    the block says how this box logs in there. On any other host the block
+    does not apply, and a note says so rather than leaving `ssh.user` or
+    `ssh.port` silently unused for the mount."""
+    if ssh is None or not (ssh.target or ssh.user or ssh.port):
+        return source
+    given = [f"ssh.{k} (--ssh-{k})" for k in ("user", "port") if getattr(ssh, k)]
+    if not ssh.target:
+        if given:
+            notes.append(
+                f"{' and '.join(given)} describe how this box logs in to ssh.target (--ssh-target), the "
+                f"controller tunnel, which is not set: the mount of data_source `{source.url}` uses its own "
+                "user and port (sshfs://user@host:port/path)"
+            )
+        return source
+    t_user, t_host, t_port = _tunnel(ssh.target)
+    if t_host.lower() != source.host.lower():
+        if given:
+            notes.append(
+                f"{' and '.join(given)} are for ssh.target {t_host} (the controller tunnel the join loop "
+                f"dials); data_source's host {source.host} is another machine, so its mount uses data_source's "
+                "own user and port (sshfs://user@host:port/path)"
+            )
+        return source
+    took = []
+    user, port = source.user, source.port
+    if user is None and (ssh.user or t_user):
+        user = ssh.user or t_user
+        took.append(f"user {user} ({'ssh.user' if ssh.user else 'ssh.target'})")
+    if port is None and (ssh.port or t_port):
+        port = ssh.port or t_port
+        took.append(f"port {port} ({'ssh.port' if ssh.port else 'ssh.target'})")
+    if not took:
+        return source
+    notes.append(
+        f"data_source's host {source.host} is the controller tunnel's (ssh.target): mounting with "
+        f"{' and '.join(took)}, which data_source does not name"
+    )
+    return Source(user=user, host=source.host, port=port, path=source.path)
+
+
 # -- the sshfs command ---------------------------------------------------------
 
 
@@ -220,11 +292,12 @@ def _ssh_option(option: str) -> str:
 
 
 def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> list[str]:
-    """The sshfs command line. The ssh block's own options come first:
+    """The sshfs command line: its options, then `--`, the source and the
+    mountpoint. The ssh block's own options come first:
     OpenSSH keeps the first value it sees for a key, so the operator's
     choices win over the defaults that follow. Those defaults come last
     (ro above all) and cannot be switched off from the config."""
-    argv = ["sshfs", source.remote, mountpoint]
+    argv = ["sshfs"]
 
     def opt(value: str) -> None:
         argv.extend(["-o", value])
@@ -246,4 +319,6 @@ def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> l
     for default in SSHFS_DEFAULTS:
         opt(default)
     opt(f"ConnectTimeout={CONNECT_TIMEOUT_S}")
-    return argv
+    # Options end at `--` (fuse's option parser honours it), so the source
+    # and the mountpoint are never read as options, whatever they hold.
+    return [*argv, "--", source.remote, mountpoint]

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer, valid_path
+from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, require_nix, trainer, valid_path
 
 from prepare import build as build_mod
 from prepare.fail import Fail
@@ -717,3 +717,65 @@ def test_the_state_lock_wait_is_bounded_by_build_timeout_when_it_is_set(
     assert isinstance(fail, Fail) and not fail.permanent and lock in fail.message
     assert build_mod.lock_wait_s(None) == build_mod.LOCK_WAIT_S
     assert build_mod.lock_wait_s(600) == 600 + build_mod.LOCK_MARGIN_S
+
+
+# -- nix build printing JSON of a shape no Nix prints ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "printed",
+    [
+        "[]",
+        "{}",
+        '"/nix/store/not-a-list"',
+        '[{"path": "/nix/store/00000000000000000000000000000000-only-a-path"}]',
+        '[{"drvPath": 3, "outputs": {}}]',
+        '[{"drvPath": "/nix/store/x.drv", "outputs": ["not", "a", "map"]}]',
+        "[" * 100000 + "]" * 100000,
+    ],
+    ids=["empty-list", "object", "string", "no-derivation", "drvpath-number", "outputs-list", "nested-100000"],
+)
+def test_nix_build_json_of_an_unexpected_shape_is_transient_not_a_traceback(
+    nix_env, test_flake, state_dir, tmp_path, printed
+):
+    real = require_nix()
+    (tmp_path / "printed.json").write_text(printed)
+    shim = tmp_path / "nix"
+    # The real nix for everything but `build`, which answers with the JSON
+    # under test and exits 0, as a nix with another output format would.
+    shim.write_text(
+        "#!/bin/sh\n"
+        f'for a in "$@"; do [ "$a" = build ] && exec cat {tmp_path / "printed.json"}; done\n'
+        f'exec {real} "$@"\n'
+    )
+    shim.chmod(0o755)
+    with pytest.raises(Fail) as caught:
+        build_mod.build(spec(test_flake, state_dir), None, [], nix_program=str(shim))
+    fail = caught.value
+    assert not fail.permanent
+    assert "no JSON result of a known shape" in fail.message and "the next attempt retries" in fail.message
+
+
+# -- kinds that stop a box rather than loop it -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "url"),
+    [("source.from", "path:/"), ("source.from", "git+file:///?ref=main"), ("flake", "path:/"), ("flake", "path:///")],
+)
+def test_the_root_directory_as_a_source_or_flake_is_permanent(state_dir, field, url):
+    s = spec("path:/srv/fdl", state_dir, url) if field == "source.from" else spec(url, state_dir)
+    fail = expect_fail(s)
+    assert fail.permanent and f"{field} = {url!r} names the root directory" in fail.message
+
+
+def test_a_manifest_cwd_that_is_a_symlink_out_of_the_tree_stops_the_box(nix_env, test_flake, state_dir, tmp_path):
+    # A path: source copied into the store keeps its symlink: the build and
+    # the run would work in /etc. Retrying does that again: permanent.
+    tree = tmp_path / "train"
+    tree.mkdir()
+    (tree / "escape").symlink_to("/etc")
+    (tree / ".fdl-run.toml").write_text(manifest_text(bin="train", cwd="escape"))
+    fail = expect_fail(spec(test_flake, state_dir, f"path:{tree}"))
+    assert fail.permanent
+    assert "leads out of the training source through a symlink (to /etc)" in fail.message

@@ -121,3 +121,141 @@ def test_a_root_flag_before_publish_is_a_usage_error(box: dict[str, str], tmp_pa
     )
     assert done.returncode == 2
     assert "--flake" in done.stderr and "publish" in done.stderr
+
+
+# -- a bug, an interruption: said, and exited on with a code the unit acts on ----------
+
+_BUG = """
+import sys
+import prepare.pipeline
+
+def broken(*args, **kwargs):
+    raise RuntimeError("a bug stood in for by this test")
+
+prepare.pipeline.prepare = broken
+from prepare.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_an_unexpected_exception_exits_70_with_its_traceback_not_1(box: dict[str, str]) -> None:
+    import sys
+
+    from prepare.cli import EXIT_SOFTWARE
+
+    done = subprocess.run(
+        [sys.executable, "-c", _BUG, "--cpu-only"], env=box, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == EXIT_SOFTWARE == 70, done.stderr
+    assert "Traceback (most recent call last)" in done.stderr and "RuntimeError: a bug stood in" in done.stderr
+    assert "fdl-prepare: internal error: RuntimeError" in done.stderr and "This is a bug in fdl-prepare" in done.stderr
+    assert "exit 70" in done.stderr
+
+
+def test_an_unexpected_exception_with_json_prints_a_bug_object(box: dict[str, str]) -> None:
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _BUG, "--cpu-only", "--json"], env=box, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 70, done.stderr
+    out = json.loads(done.stdout)
+    assert out["kind"] == "bug" and "RuntimeError" in out["message"] and "Traceback" in out["traceback"]
+
+
+def _fake_nix_that_hangs(tmp_path: Path) -> str:
+    folder = tmp_path / "hanging-nix"
+    folder.mkdir()
+    nix = folder / "nix"
+    nix.write_text("#!/bin/sh\nexec sleep 120\n")
+    nix.chmod(0o755)
+    return str(folder)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_interrupt_prints_its_line_and_with_json_a_fail_of_kind_interrupted(
+    box: dict[str, str], tmp_path: Path, sig: str, as_json: bool
+) -> None:
+    import signal
+    import time
+
+    from console import console_script
+
+    env = {**box, "PATH": _fake_nix_that_hangs(tmp_path) + os.pathsep + box["PATH"]}
+    argv = [console_script(), "--cpu-only", "--libtorch", "cpu", "--flake", "path:/srv/fdl"]
+    argv += ["--state-dir", str(tmp_path / "state")] + (["--json"] if as_json else [])
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        # Waiting in its `nix --version`, which never answers.
+        while not any("sleep 120" in line for line in _children_of(child.pid)):
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.05)
+        child.send_signal(getattr(signal, sig))
+        out, err = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 130, err
+    assert "fdl-prepare: interrupted" in err
+    if as_json:
+        got = json.loads(out)
+        assert got["kind"] == "interrupted" and "interrupted" in got["message"] and isinstance(got["notes"], list)
+    else:
+        assert out == ""
+
+
+def _children_of(pid: int) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                ppid = int(handle.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                cmdline = handle.read().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid:
+            found.append(cmdline)
+    return found
+
+
+def test_dev_zero_as_the_config_exits_78_at_once(box: dict[str, str]) -> None:
+    done = fdl(box, "--config", "/dev/zero", "--cpu-only", timeout=30)
+    assert done.returncode == 78, done.stderr
+    assert "config /dev/zero is a character device, not a regular file" in done.stderr
+
+
+# -- no value is ever read as an option --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [("--flake", "-f/some/file", "flake"), ("--source", "--impure", "source.from")],
+)
+def test_a_url_that_starts_with_a_dash_is_refused_before_nix_sees_it(
+    box: dict[str, str], tmp_path: Path, flag: str, value: str, field: str
+) -> None:
+    args = ["--cpu-only", "--libtorch", "cpu", "--state-dir", str(tmp_path / "state"), "--json"]
+    if flag != "--flake":
+        args += ["--flake", "path:/srv/fdl"]
+    done = fdl(box, *args, f"{flag}={value}")
+    assert done.returncode == 78, done.stderr
+    out = json.loads(done.stdout)
+    assert f"{field} = {value!r} starts with '-'" in out["message"]
+    assert not (tmp_path / "state").exists()  # refused before the first nix call
+
+
+def test_a_hundred_thousand_devices_in_the_config_take_well_under_seconds(box: dict[str, str]) -> None:
+    import time
+
+    devices = ", ".join(str(i) for i in range(100_000))
+    Path(box["FDL_PREPARE_CONFIG"]).write_text(f"[join]\ncpu_only = true\ndevices = [{devices}]\n")
+    start = time.monotonic()
+    done = fdl(box, "--json", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - start < 10

@@ -233,6 +233,61 @@ def test_a_directory_given_as_the_config_is_permanent(tmp_path):
     assert fail.kind == "permanent" and f"config {tmp_path} is a directory" in fail.message
 
 
+@pytest.mark.parametrize("table", ["join", "other"])
+def test_deeply_nested_toml_is_permanent_not_a_recursion_error(write, table):
+    # Deep enough that the TOML parser itself runs out of stack, in [join]
+    # or in a table of another tool.
+    path = write(f"[{table}]\nx = " + "[" * 5000 + "]" * 5000 + "\n")
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert f"config {path} nests arrays or tables too deeply" in fail.message
+
+
+def test_nesting_the_parser_survives_is_refused_by_the_key_it_is_under(write):
+    # Shallow enough to parse, deep enough that a message quoting the value
+    # would need a deep walk of its own.
+    path = write("[join]\ndevices = " + "[" * 300 + "]" * 300 + "\n")
+    fail = load_fail(path)
+    assert fail.kind == "permanent" and "join.devices" in fail.message
+
+
+@pytest.mark.parametrize("key", ["data_path", "state_dir", "flake", "libtorch"])
+def test_a_nul_character_in_a_value_is_permanent_and_names_the_key(write, key):
+    path = write(f'[join]\n{key} = "/a\\u0000b"\n')
+    fail = load_fail(path)
+    assert fail.kind == "permanent"
+    assert f"join.{key}" in fail.message and "NUL character" in fail.message
+
+
+def test_a_nul_character_in_a_list_item_is_permanent_and_names_the_key(write):
+    path = write('[join.ssh]\noptions = ["Port=22\\u0000"]\n')
+    fail = load_fail(path)
+    assert fail.kind == "permanent" and "join.ssh.options" in fail.message and "NUL character" in fail.message
+
+
+def test_dev_zero_as_the_config_is_permanent_at_once_not_an_endless_read():
+    fail = load_fail(Path("/dev/zero"))
+    assert fail.kind == "permanent"
+    assert "config /dev/zero is a character device, not a regular file" in fail.message
+
+
+def test_dev_null_as_the_config_is_no_config():
+    assert config.load(Path("/dev/null")) == {}
+
+
+def test_a_fifo_as_the_config_is_permanent_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "prepare.toml"
+    os.mkfifo(fifo)
+    fail = load_fail(fifo)
+    assert fail.kind == "permanent" and "is a FIFO (named pipe), not a regular file" in fail.message
+
+
+def test_a_config_far_larger_than_any_config_is_permanent(write):
+    path = write("# padding\n" * (config.MAX_CONFIG_BYTES // 10 + 1))
+    fail = load_fail(path)
+    assert fail.kind == "permanent" and "more than any config" in fail.message
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="reading as another uid needs root")
 def test_a_file_this_user_may_not_read_is_permanent_not_a_traceback():
     uid = 54321
@@ -685,3 +740,61 @@ def test_check_spec_leaves_other_strings_as_given():
     spec = PrepareSpec(data=DataSpec(data_path=" /odd "), source=SourceSpec(from_="path:/x", build=" make "))
     checked = config.check_spec(spec)
     assert checked.data.data_path == " /odd " and checked.source is not None and checked.source.build == " make "
+
+
+# -- every value in a range the box can act on ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [("var/lib/fdl", "is a relative path"), ("~/state", "starts with '~'"), ("~root/state", "starts with '~'")],
+)
+def test_a_relative_or_tilde_state_dir_is_permanent(value, words):
+    fail = resolve_fail({"state_dir": value}, {})
+    assert fail.kind == "permanent" and "join.state_dir" in fail.message and words in fail.message
+    fail = resolve_fail({}, {"state_dir": value})
+    assert "--state-dir" in fail.message and words in fail.message
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("list_timeout", 0.001),
+        ("list_timeout", 1e300),
+        ("list_timeout", 86400.0),
+        ("build_timeout", 0.5),
+        ("build_timeout", 1e12),
+    ],
+)
+def test_a_timeout_no_timer_can_hold_or_no_work_can_fit_is_permanent(key, value):
+    fail = resolve_fail({key: value}, {})
+    assert fail.kind == "permanent" and f"join.{key}" in fail.message and "seconds (" in fail.message
+
+
+def test_the_range_ends_are_accepted():
+    spec = config.resolve({"list_timeout": 0.1, "build_timeout": 30 * 86400}, {}, {})
+    assert (spec.list_timeout_s, spec.build_timeout_s) == (0.1, 30 * 86400.0)
+    spec = config.resolve({"list_timeout": 3600, "build_timeout": 1}, {}, {})
+    assert (spec.list_timeout_s, spec.build_timeout_s) == (3600.0, 1.0)
+
+
+def test_a_hundred_thousand_devices_are_checked_in_linear_time():
+    import time
+
+    many = list(range(100_000))
+    start = time.monotonic()
+    spec = config.resolve({"devices": many}, {}, {})
+    assert spec.devices == tuple(many)
+    flags = config.resolve({}, {"devices": config.parse_devices(",".join(map(str, many)))}, {})
+    assert flags.devices == tuple(many)
+    assert time.monotonic() - start < 2.0
+    # A repeat at the very end is still found, and the message stays short.
+    fail = resolve_fail({"devices": [*many, 99_999]}, {})
+    assert "device 99999 is listed twice" in fail.message and len(fail.message) < 1000
+
+
+@pytest.mark.parametrize(("key", "value"), [("ssh.target", "-oProxyCommand=x"), ("ssh.user", "-l")])
+def test_an_ssh_target_or_user_that_starts_with_a_dash_is_permanent(key, value):
+    table, name = key.split(".")
+    fail = resolve_fail({table: {name: value}}, {})
+    assert fail.kind == "permanent" and f"join.{key}" in fail.message and "starts with '-'" in fail.message

@@ -82,6 +82,12 @@ BROKEN_SOURCES = [
     ("sshfs://exa/", "the remote root"),
     ("sshfs://exa:2222//", "the remote root, doubled"),
     ("sshfs://exa/./", "the remote root, dotted"),
+    # What sshfs hands to ssh as its destination must not read as an option.
+    ("sshfs://-oProxyCommand=touch%20x@exa/flodl/data", "a user that starts with a dash"),
+    ("sshfs://-oProxyCommand=x/flodl/data", "a host that starts with a dash"),
+    ("sshfs://data@-oProxyCommand=x:/flodl/data", "a host after a user that starts with a dash"),
+    ("sshfs://da\tta@exa/flodl/data", "a tab in the user"),
+    ("sshfs://ex\x07a/flodl/data", "a control character in the host"),
 ]
 
 
@@ -94,6 +100,17 @@ def test_every_broken_data_source_shape_is_refused_permanently_naming_data_sourc
     assert "data_source" in fail.message, fail.message
     # The operator sees the value they wrote, quoted.
     assert repr(value) in fail.message or repr(value.strip()) in fail.message, fail.message
+
+
+@pytest.mark.sshfs
+def test_a_dashed_user_never_reaches_sshfs_or_ssh(tmp_path: Path) -> None:
+    # The case: nothing ran, but it came back transient, so the
+    # unit retried it for ever. Now it is refused before any program runs.
+    marker = tmp_path / "ran"
+    point = tmp_path / "mnt"
+    fail = _fail(_spec(data_path=str(point), data_source=f"sshfs://-oProxyCommand=touch {marker}@127.0.0.1/srv"))
+    assert fail.kind == "permanent" and "starts with '-'" in fail.message
+    assert not marker.exists() and not point.exists()
 
 
 @pytest.mark.parametrize("value", BROKEN_SOURCES[0:1] + [("~/data", "")], ids=["absolute", "home"])
@@ -187,7 +204,7 @@ def test_sshfs_argv_puts_the_operators_options_first_then_key_port_and_the_defau
     )
     source = parse_source("sshfs://flodl@exa:2222/flodl/data")
     assert sshfs_argv(source, "/flodl/data", ssh) == [
-        "sshfs", "flodl@exa:/flodl/data", "/flodl/data",
+        "sshfs",
         "-o", "ServerAliveInterval=5",
         "-o", "StrictHostKeyChecking=yes",
         "-o", "IdentityFile=/etc/fdl/join_key",
@@ -198,6 +215,7 @@ def test_sshfs_argv_puts_the_operators_options_first_then_key_port_and_the_defau
         "-o", "ServerAliveCountMax=3",
         "-o", "BatchMode=yes",
         "-o", "ConnectTimeout=20",
+        "--", "flodl@exa:/flodl/data", "/flodl/data",
     ]  # fmt: skip
 
 
@@ -215,13 +233,13 @@ def test_the_port_comes_from_the_source_not_the_ssh_block() -> None:
 
 def test_ro_and_batchmode_are_always_there_and_last_even_with_no_ssh_block() -> None:
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", None)
-    assert argv == ["sshfs", "exa:/d", "/m"] + [x for o in sshfs_url.SSHFS_DEFAULTS for x in ("-o", o)] + [
-        "-o", f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}",
+    assert argv == ["sshfs"] + [x for o in sshfs_url.SSHFS_DEFAULTS for x in ("-o", o)] + [
+        "-o", f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}", "--", "exa:/d", "/m",
     ]  # fmt: skip
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", SshSpec(options=("rw", "ConnectTimeout=60")))
     assert argv.index("rw") < argv.index("ro")
     assert argv.index("ConnectTimeout=60") < argv.index(f"ConnectTimeout={sshfs_url.CONNECT_TIMEOUT_S}")
-    assert argv[-3] == "BatchMode=yes"
+    assert argv[-6] == "BatchMode=yes"
 
 
 def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
@@ -239,7 +257,7 @@ def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
     # A comma would split one ssh option into two fuse options and sshfs
     # unescapes backslashes; `Key Value` is an unknown option to sshfs; a
     # blank is dropped.
-    assert argv[3:13] == [
+    assert argv[1:11] == [
         "-o", "Ciphers=aes128-ctr\\,aes256-ctr",
         "-o", "StrictHostKeyChecking=no",
         "-o", "Compression=yes",
@@ -248,7 +266,7 @@ def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
     ]  # fmt: skip
     # ssh splits a value on whitespace unless it is quoted.
     argv = sshfs_argv(parse_source("sshfs://exa/d"), "/m", SshSpec(identity_file="/keys/my key"))
-    assert argv[3:5] == ["-o", 'IdentityFile="/keys/my key"']
+    assert argv[1:3] == ["-o", 'IdentityFile="/keys/my key"']
 
 
 # -- nothing declared, and data_path alone -------------------------------------------
@@ -975,3 +993,103 @@ def test_a_lock_file_root_created_can_be_taken_by_another_user(tmp_path: Path) -
         assert done.returncode == 0, done.stderr
     finally:
         os.unlink(path)
+
+
+# -- the key itself: what ssh would refuse is permanent ------------------------------------
+
+
+@pytest.mark.sshfs
+def test_an_identity_file_others_can_read_is_permanent_and_names_chmod(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
+) -> None:
+    key = tmp_path / "id_ed25519"
+    shutil.copy(sshd.user_key, key)
+    key.chmod(0o644)
+    point = tmp_path / "never-made"
+    sshfs_mounts.track(point)
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), identity=key))
+    assert fail.kind == "permanent", fail.message
+    assert "mode 0644" in fail.message and "are too open" in fail.message and f"chmod 600 {key}" in fail.message
+    assert not point.exists()
+
+
+@pytest.mark.sshfs
+def test_an_identity_file_with_a_passphrase_is_permanent_without_an_agent(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    key = tmp_path / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a passphrase", "-f", str(key)], check=True)
+    point = tmp_path / "never-made"
+    sshfs_mounts.track(point)
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), identity=key))
+    assert fail.kind == "permanent", fail.message
+    assert "has a passphrase" in fail.message and "BatchMode=yes" in fail.message
+    assert f"ssh-keygen -p -N '' -f {key}" in fail.message and "SSH_AUTH_SOCK" in fail.message
+
+
+@pytest.mark.sshfs
+def test_a_key_ssh_refuses_that_came_through_ssh_options_is_permanent_from_what_ssh_says(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
+) -> None:
+    # Not fdl-prepare's identity_file, so not read beforehand: ssh itself
+    # says "bad permissions", and that is the box's configuration.
+    key = tmp_path / "id_ed25519"
+    shutil.copy(sshd.user_key, key)
+    key.chmod(0o644)
+    point = sshfs_mounts.point()
+    spec = PrepareSpec(
+        data=DataSpec(data_path=str(point), data_source=sshd.source(remote_tree)),
+        ssh=SshSpec(options=(*sshd.options, f"IdentityFile={key}")),
+        cpu_only=True,
+    )
+    fail = _fail(spec)
+    assert fail.kind == "permanent", fail.message
+    assert "ssh will not use the private key" in fail.message and "bad permissions" in fail.message
+
+
+# -- the ssh block's target, user and port --------------------------------------------------
+
+
+@pytest.mark.sshfs
+def test_a_data_source_on_the_tunnel_host_takes_the_ssh_blocks_user_and_port(
+    sshd, sshfs_mounts, remote_tree: Path
+) -> None:
+    point = sshfs_mounts.point()
+    spec = PrepareSpec(
+        data=DataSpec(data_path=str(point), data_source=f"sshfs://{sshd.host}{remote_tree}"),
+        ssh=SshSpec(
+            target=sshd.host,
+            user=sshd.user,
+            port=sshd.port,
+            identity_file=str(sshd.user_key),
+            options=sshd.options,
+        ),
+        cpu_only=True,
+    )
+    notes: list[str] = []
+    assert data.ensure_root(spec, notes) == str(point)
+    assert _only_mount(point).source == sshd.remote(remote_tree)
+    assert any(f"port {sshd.port} (ssh.port)" in n and f"user {sshd.user} (ssh.user)" in n for n in notes), notes
+
+
+def test_the_ssh_blocks_user_and_port_are_not_silently_dropped_for_another_host() -> None:
+    source = parse_source("sshfs://data.example/srv")
+    notes: list[str] = []
+    ssh = SshSpec(target="ctrl.example", port=2222, user="worker")
+    assert sshfs_url.with_tunnel_defaults(source, ssh, notes) == source
+    assert len(notes) == 1 and "ssh.user (--ssh-user) and ssh.port (--ssh-port)" in notes[0]
+    assert "another machine" in notes[0]
+    notes.clear()
+    assert sshfs_url.with_tunnel_defaults(source, SshSpec(port=2222), notes) == source
+    assert "which is not set" in notes[0]
+
+
+def test_the_tunnel_target_may_carry_its_own_user_and_port_and_the_url_still_wins() -> None:
+    notes: list[str] = []
+    got = sshfs_url.with_tunnel_defaults(
+        parse_source("sshfs://ctrl.example/srv"), SshSpec(target="worker@ctrl.example:2200"), notes
+    )
+    assert (got.user, got.port) == ("worker", 2200) and "ssh.target" in notes[0]
+    own = parse_source("sshfs://me@ctrl.example:22/srv")
+    assert sshfs_url.with_tunnel_defaults(own, SshSpec(target="ctrl.example", user="x", port=2), []) == own

@@ -199,6 +199,10 @@ def test_a_new_field_is_an_option_of_the_command(tmp_path):
 FLAG_SAMPLES = {
     "string": (["x"], "x"),
     "url": (["path:/x"], "path:/x"),
+    "identity file": (["/etc/fdl/id_ed25519"], "/etc/fdl/id_ed25519"),
+    "absolute path": (["/var/lib/x"], "/var/lib/x"),
+    "ssh host": (["ctrl.example"], "ctrl.example"),
+    "ssh user": (["worker"], "worker"),
     "boolean": ([], True),
     "port": (["2222"], 2222),
     "seconds": (["2.5"], 2.5),

@@ -175,3 +175,63 @@ def test_a_manifest_that_cannot_be_read_names_the_os_error_as_the_other_steps_do
     assert not caught.value.permanent
     assert str(tmp_path / FILENAME) in caught.value.message
     assert "Is a directory (EISDIR)" in caught.value.message
+
+
+def test_a_manifest_nested_thousands_deep_is_transient_not_a_recursion_error():
+    with pytest.raises(Fail) as caught:
+        parse("bin = " + "[" * 5000 + "]" * 5000 + "\n")
+    assert not caught.value.permanent
+    assert "nests arrays or tables" in caught.value.message and "publish a fixed" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('bin = "tr\\u0000ain"\n', "bin"),
+        ('bin = "t"\ncwd = "a\\u0000"\n', "cwd"),
+        ('bin = "t"\nargs = ["--x\\u0000"]\n', "args"),
+    ],
+)
+def test_a_nul_character_in_a_manifest_value_is_transient_and_names_the_key(text, key):
+    with pytest.raises(Fail) as caught:
+        parse(text)
+    assert not caught.value.permanent
+    assert f"NUL character (\\u0000) in {key}" in caught.value.message
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "/dev/zero"])
+def test_a_manifest_that_is_a_symlink_is_not_followed(tmp_path, target):
+    # A published tree may hold any symlink: root must not read a file of
+    # this box (or /dev/zero, for ever) as the run's manifest.
+    (tmp_path / FILENAME).symlink_to(target)
+    with pytest.raises(Fail) as caught:
+        read(str(tmp_path))
+    assert not caught.value.permanent
+    assert f"{tmp_path / FILENAME} is a symlink" in caught.value.message
+
+
+def test_a_manifest_larger_than_any_manifest_is_transient(tmp_path):
+    (tmp_path / FILENAME).write_text('bin = "t"\n' + "# pad\n" * (1 << 18))
+    with pytest.raises(Fail) as caught:
+        read(str(tmp_path))
+    assert not caught.value.permanent and "EFBIG" in caught.value.message
+
+
+def test_a_cwd_that_leads_out_of_the_tree_through_a_symlink_is_permanent(tmp_path):
+    from prepare.manifest import check_tree
+
+    tree = tmp_path / "tree"
+    (tree / "inside").mkdir(parents=True)
+    (tree / "escape").symlink_to("/etc")
+    (tree / "fine").symlink_to("inside")
+    recipe = merge(SourceSpec(from_=URL, bin="t"), parse('cwd = "escape"\n'), URL)
+    with pytest.raises(Fail) as caught:
+        check_tree(recipe, str(tree), URL)
+    assert caught.value.permanent
+    assert "leads out of the training source through a symlink (to /etc)" in caught.value.message
+    assert "the run manifest" in caught.value.message
+    # The box's own value, too; and a link that stays inside the tree is fine.
+    with pytest.raises(Fail) as caught:
+        check_tree(merge(SourceSpec(from_=URL, bin="t", cwd="escape"), None, URL), str(tree), URL)
+    assert caught.value.permanent and "source.cwd (--source-cwd)" in caught.value.message
+    check_tree(merge(SourceSpec(from_=URL, bin="t", cwd="fine"), None, URL), str(tree), URL)

@@ -25,7 +25,7 @@ import pytest
 from module_fixtures import NIX_CONFIG, EvalError
 
 from prepare import config as prepare_config
-from prepare.cli import EXIT_PERMANENT, EXIT_TRANSIENT, EXIT_USAGE
+from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT, EXIT_USAGE
 from prepare.fail import Fail
 from prepare.fields import TABLE
 
@@ -76,6 +76,8 @@ def test_transient_failures_are_retried_and_permanent_ones_stop_the_loop(evaluat
     assert EXIT_PERMANENT == 78 and EXIT_TRANSIENT == 75
     assert EXIT_PERMANENT in unit.prevent_exit_statuses
     assert EXIT_USAGE in unit.prevent_exit_statuses
+    # A bug (exit 70) is reported once, not retried every RestartSec for ever.
+    assert EXIT_SOFTWARE == 70 and EXIT_SOFTWARE in unit.prevent_exit_statuses
     assert EXIT_TRANSIENT not in unit.prevent_exit_statuses
 
 
@@ -540,6 +542,8 @@ def test_the_generated_execstart_exits_75_on_a_transient_failure_which_is_retrie
     forget_mount_lock_of(mountpoint)
     key = tmp_path / "id_ed25519"
     key.write_text("")
+    # As a private key must be: ssh ignores one others can read (permanent).
+    key.chmod(0o600)
     # Port 1 on loopback: nothing listens, the connection is refused at once,
     # as when the data host is down.
     unit = evaluate_module(

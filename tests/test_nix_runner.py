@@ -142,6 +142,23 @@ exec {real} "$@"
     assert "narHash=sha256-" in build_argv[i + 1]
     j = build_argv.index("recipe")
     assert build_argv[j + 1] == f"path:{state / 'recipe'}"
+    # Options end at `--`: every installable, URL and store path after it,
+    # and nothing else.
+    for argv in argvs[1:]:
+        assert argv.count("--") == 1, argv
+        after = argv[argv.index("--") + 1 :]
+        assert after and not any(a.startswith("-") for a in after), argv
+    assert argvs[1][-1] == test_flake and argvs[3][-1] == src.url
+
+
+def test_a_value_that_looks_like_an_option_reaches_nix_as_an_installable_not_an_option(nix_env, tmp_path):
+    # Without `--`, nix 2.8 reads `-f<file>` as its --file option and
+    # evaluates the file impurely; after `--` it is a (missing) flake.
+    planted = tmp_path / "planted.nix"
+    planted.write_text('builtins.trace "PLANTED-FILE-EVALUATED" 1\n')
+    with pytest.raises(Fail) as caught:
+        Nix(str(tmp_path)).eval_json(f"-f{planted}")
+    assert "PLANTED-FILE-EVALUATED" not in caught.value.message
 
 
 def test_a_registry_name_fails_fast_without_downloading_the_global_registry(nix_env, tmp_path):

@@ -32,6 +32,23 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (PrepareSpec(cpu_only=True, ssh=SshSpec(port=70000)), "PrepareSpec.ssh.port"),
         (PrepareSpec(cpu_only=True, ssh=SshSpec(options=("",))), "PrepareSpec.ssh.options"),
         (PrepareSpec(cpu_only=True, source=SourceSpec(from_=3)), "PrepareSpec.source.from_"),  # type: ignore[arg-type]
+        # Groups of the wrong class, or None where the spec has no optional group.
+        (PrepareSpec(cpu_only=True, data=None), "PrepareSpec.data = None"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, data="/flodl/data"), "PrepareSpec.data = '/flodl/data'"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, ssh={"port": 22}), "PrepareSpec.ssh = {'port': 22}"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, nix=None), "PrepareSpec.nix = None"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, source=DataSpec()), "PrepareSpec.source = DataSpec"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, origins=None), "PrepareSpec.origins = None"),  # type: ignore[arg-type]
+        # None where the spec's default is a value the steps compute with.
+        (PrepareSpec(cpu_only=True, list_timeout_s=None), "PrepareSpec.list_timeout_s = None"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=True, ssh=SshSpec(options=None)), "PrepareSpec.ssh.options = None"),  # type: ignore[arg-type]
+        (PrepareSpec(cpu_only=None), "PrepareSpec.cpu_only = None"),  # type: ignore[arg-type]
+        # A NUL in any string: no path, URL or argument can hold one.
+        (PrepareSpec(cpu_only=True, data=DataSpec(data_path="/flodl/\0data")), "PrepareSpec.data.data_path"),
+        (PrepareSpec(cpu_only=True, state_dir="/var/lib/\0x"), "PrepareSpec.state_dir"),
+        (PrepareSpec(cpu_only=True, ssh=SshSpec(identity_file="/k\0")), "PrepareSpec.ssh.identity_file"),
+        (PrepareSpec(cpu_only=True, ssh=SshSpec(options=("Port=2\0",))), "PrepareSpec.ssh.options"),
+        (PrepareSpec(cpu_only=True, source=SourceSpec(from_="path:/x\0")), "PrepareSpec.source.from_"),
     ],
 )
 def test_a_malformed_spec_from_code_is_permanent_and_names_the_spec_field(
@@ -43,6 +60,12 @@ def test_a_malformed_spec_from_code_is_permanent_and_names_the_spec_field(
     assert caught.value.permanent
     assert field in caught.value.message
     assert notes == []  # refused before any step ran
+
+
+def test_something_that_is_not_a_spec_is_refused_as_permanent(box: Path) -> None:
+    with pytest.raises(Fail) as caught:
+        prepare({"cpu_only": True}, [])  # type: ignore[arg-type]
+    assert caught.value.permanent and "expected a PrepareSpec, got dict" in caught.value.message
 
 
 def test_a_well_formed_cpu_only_spec_runs_the_cheap_steps_in_order(box: Path) -> None:

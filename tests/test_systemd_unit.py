@@ -8,6 +8,8 @@ PATH to show that the exit codes the unit acts on are the ones it gets.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
 import shutil
@@ -18,7 +20,7 @@ import pytest
 from console import console_script
 from module_fixtures import REPO
 
-from prepare.cli import EXIT_PERMANENT, EXIT_TRANSIENT
+from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT
 
 UNIT = REPO / "systemd" / "fdl-prepare.service"
 DOCS = REPO / "README.md"
@@ -186,6 +188,9 @@ def test_the_exit_codes_the_unit_acts_on_are_the_clis(unit):
     assert (EXIT_TRANSIENT, EXIT_PERMANENT) == (75, 78)
     assert EXIT_PERMANENT in prevented(unit)
     assert EXIT_TRANSIENT not in prevented(unit)
+    # A bug is said once, with its traceback, not retried for ever.
+    assert EXIT_SOFTWARE == 70 and EXIT_SOFTWARE in prevented(unit)
+    assert "| 70 | a bug in fdl-prepare" in DOCS.read_text()
 
 
 def test_a_permanent_failure_exits_78_and_stops_the_restart_loop(unit, tmp_path):
@@ -222,3 +227,97 @@ def test_systemd_names_the_two_exit_codes_as_the_docs_show_them():
     assert re.search(r"^CONFIG\s+78\b", done.stdout, re.M), done.stdout
     docs = DOCS.read_text()
     assert "status=75/TEMPFAIL" in docs and "status=78/CONFIG" in docs
+
+
+# -- the sandbox -------------------------------------------------------------------------
+
+# Options that give a unit a mount namespace of its own (systemd's
+# exec_needs_mount_namespace): an sshfs mount made inside one never reaches
+# the host. And device ACLs, which would shut out the GPUs and /dev/fuse.
+NAMESPACING = (
+    "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices", "PrivateMounts", "PrivateNetwork",
+    "PrivateIPC", "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups",
+    "ProtectProc", "ProcSubset", "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "ExecPaths",
+    "NoExecPaths", "BindPaths", "BindReadOnlyPaths", "TemporaryFileSystem", "RootDirectory", "RootImage",
+    "MountImages", "ExtensionImages", "ExtensionDirectories", "MountFlags", "LogNamespace",
+)  # fmt: skip
+DEVICE_ACLS = ("DeviceAllow", "DevicePolicy", "ProtectClock")
+SANDBOX = (
+    "NoNewPrivileges", "ProtectHostname", "RestrictRealtime", "RestrictSUIDSGID", "LockPersonality",
+    "SystemCallArchitectures", "RestrictAddressFamilies", "SystemCallFilter", "CapabilityBoundingSet",
+)  # fmt: skip
+
+
+def test_the_plain_unit_is_sandboxed_without_a_mount_namespace_or_a_device_acl(unit):
+    service = unit["Service"]
+    assert all(key in service for key in SANDBOX), [k for k in SANDBOX if k not in service]
+    assert not [key for key in (*NAMESPACING, *DEVICE_ACLS) if key in service]
+    kept = {"CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_KILL", "CAP_CHOWN", "CAP_SYS_CHROOT"}
+    kept |= {"CAP_NET_ADMIN", "CAP_SYS_MODULE", "CAP_MKNOD", "CAP_DAC_OVERRIDE", "CAP_FOWNER"}
+    dropped = set(one(unit, "Service", "CapabilityBoundingSet").removeprefix("~").split())
+    assert not dropped & kept
+
+
+def test_the_nixos_module_sandboxes_its_unit_as_the_plain_unit_does(unit, evaluate_module):
+    module = evaluate_module("{ services.fdl-prepare.enable = true; }", systemd_version="256")
+    service = parse_unit(module.service["unitText"])["Service"]
+    for key in SANDBOX:
+        got = " ".join(service[key]).replace("true", "yes")
+        assert got == " ".join(unit["Service"][key]), key
+    assert not [key for key in (*NAMESPACING, *DEVICE_ACLS) if key in service]
+
+
+def _exposure(path: Path) -> float:
+    done = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--no-pager", str(path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d)", done.stdout + done.stderr)
+    assert found, done.stdout + done.stderr
+    return float(found.group(1))
+
+
+def test_systemd_analyze_security_scores_both_units_as_the_readme_says(tmp_path, evaluate_module):
+    version = systemd_version()
+    if version < 250:
+        pytest.skip("systemd-analyze security --offline needs systemd 250")
+    plain = installed_copy(tmp_path, tmp_path / "prepare.toml")
+    module = evaluate_module("{ services.fdl-prepare.enable = true; }", systemd_version=str(version))
+    generated = tmp_path / "module" / "fdl-prepare.service"
+    generated.parent.mkdir()
+    generated.write_text(module.service["unitText"])
+    scores = (_exposure(plain), _exposure(generated))
+    assert scores == (6.6, 6.6)
+    assert "`systemd-analyze security` scores both units 9.6 before and 6.6 now" in DOCS.read_text()
+
+
+@pytest.mark.nix
+@pytest.mark.sshfs
+def test_under_the_units_capability_bounding_set_and_no_new_privileges_a_box_still_mounts_and_builds(
+    unit, tmp_path, sshd, remote_tree, sshfs_mounts, nix_env, test_flake, git_source
+):
+    # The seccomp filters need systemd to apply them; what setpriv can apply
+    # (the capability bounding set, no_new_privs) is applied for real, to
+    # the whole preparation: an sshfs mount, a Nix build as root.
+    from nix_fixtures import NIX_CONFIG, trainer
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    assert one(unit, "Service", "NoNewPrivileges") == "yes"
+    caps = one(unit, "Service", "CapabilityBoundingSet").removeprefix("~").split()
+    bounding = ",".join("-" + cap.removeprefix("CAP_").lower() for cap in caps)
+    point = sshfs_mounts.point()
+    src = git_source(trainer())
+    argv = ["setpriv", "--no-new-privs", f"--bounding-set={bounding}", "--", console_script(), "--json"]
+    argv += ["--config", "/dev/null", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake, "--source", src.url]
+    argv += ["--state-dir", str(tmp_path / "state"), "--data-source", sshd.source(remote_tree)]
+    argv += ["--data-path", str(point), "--identity-file", str(sshd.user_key)]
+    for option in sshd.options:
+        argv += ["--ssh-option", option]
+    (tmp_path / "home").mkdir()
+    env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "HOME": str(tmp_path / "home")}
+    env.pop("FDL_PREPARE_CONFIG", None)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["data_path"] == str(point) and os.access(out["bin"]["path"], os.X_OK)

@@ -1,0 +1,234 @@
+"""The state directory, which root writes and removes in: opened, never followed.
+
+`<state>` holds what the build steps keep between attempts: the GC roots
+(`gcroots/`), the recipe handed to the flake (`recipe/recipe.json`), the
+state lock, the warm-path record, the empty flake registry and the cached
+Nix version. fdl-prepare runs as root and replaces and prunes entries here,
+so an entry that is a symlink would send those writes, and the recipe's
+stray removal, wherever the link points.
+
+So the directory and every entry of ours in it are looked at with lstat
+and opened with O_NOFOLLOW (through a directory fd), must be of the type we
+keep there and owned by the running user, and the directory must be
+writable by nobody else, since anyone who can write it can swap an entry
+for a link between our check and our use. Anything else is a permanent
+Fail naming the entry and the fix, never a traceback and never a write
+through a link. New files are written under a random name opened with
+O_EXCL and renamed into place, so no name is there for anyone to plant
+first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prepare import human
+from prepare.fail import Fail, permanent
+
+# Our entries and their types: True for a directory, False for a file.
+# Entries we do not know (a publish's own state directory, leftovers of a
+# newer version) are left alone; `gcroots` is made here, the rest when
+# first written.
+ENTRIES = {
+    "gcroots": True,
+    "recipe": True,
+    "lock": False,
+    "warm.json": False,
+    "flake-registry.json": False,
+    "nix-version.json": False,
+}
+
+# Read with O_NOFOLLOW and written by renaming a new file over it
+# (prepare.record): a symlink there is never followed, only replaced, and
+# means no more than a missing record (evaluate as usual).
+REPLACED_BY_RENAME = frozenset({"warm.json"})
+
+ENTRY_NAMES = {
+    "gcroots": "GC roots",
+    "recipe": "recipe directory",
+    "lock": "lock",
+    "warm.json": "warm-path record",
+    "flake-registry.json": "empty flake registry",
+    "nix-version.json": "cached Nix version",
+}
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symlink"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISREG(mode):
+        return "a file"
+    return "a special file (device, FIFO or socket)"
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _wrong_type(path: str, found: int, want_dir: bool, what: str) -> Fail:
+    want = "a directory" if want_dir else "a file"
+    remove = f"rm {path}" if stat.S_ISLNK(found) or not stat.S_ISDIR(found) else f"rm -r {path}"
+    return permanent(
+        f"{path}, the {what}, is {_kind(found)}, where fdl-prepare keeps {want}: it is not fdl-prepare's, and "
+        f"root does not write through it. Look at it, then remove it (`{remove}`); the next attempt recreates it",
+        reason="state.untrusted",
+    )
+
+
+def _not_owned(path: str, uid: int, what: str) -> Fail:
+    me = human.user()
+    return permanent(
+        f"{path}, the {what}, is owned by {_owner(uid)}, not {me}, who runs fdl-prepare: whoever owns it could "
+        f"point what is written there elsewhere. `sudo chown -R {me}: {path}` if it is yours to take, or set "
+        "state_dir (--state-dir) to a directory of this user's",
+        reason="state.untrusted",
+    )
+
+
+def open_dir(path: str, what: str, *, owned: bool = True) -> int:
+    """An fd on the directory at `path`, refusing a symlink, anything that
+    is not a directory, and (`owned`) a directory this user does not own."""
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                found = os.lstat(path).st_mode
+            except OSError:
+                found = stat.S_IFLNK
+            raise _wrong_type(path, found, True, what) from None
+        raise
+    st = os.fstat(fd)
+    if owned and st.st_uid != os.geteuid():
+        os.close(fd)
+        raise _not_owned(path, st.st_uid, what)
+    return fd
+
+
+@contextmanager
+def opened_dir(path: str, what: str, *, owned: bool = True) -> Iterator[int]:
+    fd = open_dir(path, what, owned=owned)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def vet(state: str, origin: str, var: str) -> None:
+    """Create the state directory if missing, and refuse it (permanent)
+    when it, or one of our entries in it, could send root's writes
+    elsewhere: a symlink, the wrong type, another owner, or a directory
+    others may write. `origin` says where the path came from and `var`
+    what moves it, for the messages. Creates `gcroots/`."""
+    from prepare import dirs
+
+    what = f"state directory {state}"
+    try:
+        os.makedirs(os.path.dirname(state), exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(state, 0o755)
+    except OSError as err:
+        raise dirs.unusable(state, what, origin, err, creating=True, var=var) from None
+    if os.geteuid() == 0:
+        from prepare import trust
+
+        found = trust.doubt(state, final_dir=True)
+        if found is not None:
+            raise permanent(
+                f"the state directory {state} (from {origin}) is not trusted: {found.path} {found.why}. Root "
+                f"writes, replaces and removes entries there, so only root may be able to change it. Fix: "
+                f"{found.fix}, or set {var} to a directory only root can write",
+                reason="state.untrusted",
+            )
+    try:
+        fd = open_dir(state, f"state directory (from {origin})")
+    except OSError as err:
+        raise dirs.unusable(state, what, origin, err, var=var) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise permanent(
+                f"the state directory {state} (from {origin}) is writable by others than its owner (mode "
+                f"{stat.S_IMODE(mode):04o}): they could swap its entries for symlinks where root writes and "
+                f"removes. `sudo chmod go-w {state}`, or set {var} to a directory of this user's",
+                reason="state.untrusted",
+            )
+        _vet_entries(state, fd)
+    finally:
+        os.close(fd)
+
+
+def _vet_entries(state: str, fd: int) -> None:
+    for name, want_dir in ENTRIES.items():
+        path = os.path.join(state, name)
+        try:
+            st = os.lstat(name, dir_fd=fd)
+        except FileNotFoundError:
+            if name != "gcroots":
+                continue
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o755, dir_fd=fd)
+            st = os.lstat(name, dir_fd=fd)
+        if stat.S_ISLNK(st.st_mode) and name in REPLACED_BY_RENAME:
+            continue
+        if stat.S_ISDIR(st.st_mode) != want_dir or not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            raise _wrong_type(path, st.st_mode, want_dir, f"state directory's {ENTRY_NAMES[name]}")
+        if st.st_uid != os.geteuid():
+            raise _not_owned(path, st.st_uid, f"state directory's {ENTRY_NAMES[name]}")
+
+
+def write_at(directory: int, name: str, data: bytes, *, tmp_dir: int | None = None, mode: int = 0o644) -> None:
+    """Replace the file `name` in the directory open at `directory` with
+    `data`, whole: written under a random name (in `tmp_dir`, default the
+    same directory) opened with O_EXCL | O_NOFOLLOW, synced, renamed into
+    place. On any error the temporary file is gone and the OSError raised."""
+    where = directory if tmp_dir is None else tmp_dir
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=where)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=where, dst_dir_fd=directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=where)
+        raise
+
+
+def write_file(path: str, data: bytes, what: str) -> None:
+    """`write_at` for the file at `path`, whose directory is opened without
+    following a symlink (whose owner `vet` judges, where it is ours)."""
+    with opened_dir(os.path.dirname(path) or ".", what, owned=False) as fd:
+        write_at(fd, os.path.basename(path), data)
+
+
+def remove_at(directory: int, name: str, path: str) -> None:
+    """Remove the entry `name` (at `path`) of the open directory: a
+    directory with its contents, never through a symlink (shutil.rmtree
+    refuses a link, and walks by fd on Linux), anything else unlinked."""
+    st = os.lstat(name, dir_fd=directory)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(name, dir_fd=directory)

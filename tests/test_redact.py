@@ -1,0 +1,152 @@
+"""No secret goes out (prepare/redact.py): a credential in a URL is refused
+in the box's own settings before it can reach a command line, and hidden in
+everything fdl-prepare prints, whoever wrote the text; key material pasted
+where a key's path belongs is never quoted back."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+from console import fdl_prepare
+
+from prepare import config, progress
+from prepare.fail import Fail
+from prepare.notes import print_notes
+from prepare.redact import credentials, redact
+
+TOKEN = "ghp_s3cr3tT0ken"
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (f"git+https://user:{TOKEN}@git.example/r.git?ref=main", "git+https://***@git.example/r.git?ref=main"),
+        (f"https://{TOKEN}@github.com/o/r", "https://***@github.com/o/r"),
+        (f"fetching 'git+http://u:{TOKEN}@h/r' failed", "fetching 'git+http://***@h/r' failed"),
+        (f"sshfs://data:{TOKEN}@h/x", "sshfs://data:***@h/x"),
+        ("git+ssh://git@host/r.git?ref=main", "git+ssh://git@host/r.git?ref=main"),
+        ("sshfs://data@storage/srv", "sshfs://data@storage/srv"),
+        ("mail root@localhost", "mail root@localhost"),
+    ],
+)
+def test_user_info_is_hidden_over_http_and_a_password_over_anything(text, shown):
+    assert redact(text) == shown
+
+
+def test_what_counts_as_a_credential_in_a_url():
+    assert credentials(f"git+https://user:{TOKEN}@h/r") == "a password"
+    assert credentials(f"https://{TOKEN}@h/r") == "a user name or token"
+    assert credentials("git+ssh://git@h/r") is None
+    assert credentials("github:owner/repo/main") is None
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "home").mkdir()
+    (tmp_path / "stage").mkdir()
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path / "home"),
+        "TMPDIR": str(tmp_path / "stage"),
+        "LD_LIBRARY_PATH": str(tmp_path / "no-nvml-here"),
+        "FDL_PREPARE_CONFIG": os.devnull,
+    }
+
+
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--source", f"git+https://user:{TOKEN}@git.example/train.git?ref=main"], "source.from"),
+        (["--source", f"git+https://{TOKEN}@github.com/o/train.git?ref=main"], "source.from"),
+        (["--flake", f"git+https://x-access-token:{TOKEN}@github.com/o/fleet?ref=main"], "flake"),
+    ],
+    ids=["password", "token-as-user", "flake"],
+)
+def test_a_url_with_a_credential_is_refused_before_any_command_and_never_quoted(box, tmp_path, flags, field):
+    state = tmp_path / "state"
+    argv = ["--cpu-only", "--libtorch", "cpu", "--state-dir", str(state), "--json"]
+    if "--flake" not in flags:
+        argv += ["--flake", "path:/srv/fdl"]
+    done = fdl_prepare(box, *argv, *flags)
+    assert done.returncode == 78, done.stderr
+    assert TOKEN not in done.stdout + done.stderr
+    out = json.loads(done.stdout)
+    assert out["message"].startswith(f"{field} = '") and "(hidden here)" in out["message"]
+    assert "netrc-file" in out["message"] and "access-tokens" in out["message"]
+    assert not state.exists()  # no nix call, so no argv ever held it
+
+
+def test_a_substituter_with_a_credential_is_refused_and_not_quoted(tmp_path):
+    path = tmp_path / "prepare.toml"
+    path.write_text(f'[join.nix]\nsubstituters = ["https://ci:{TOKEN}@cache.example.org"]\n')
+    with pytest.raises(Fail) as caught:
+        config.load(path)
+    assert caught.value.permanent
+    assert TOKEN not in caught.value.message and "netrc-file" in caught.value.message
+    assert "https://***@cache.example.org" in caught.value.message
+
+
+KEY = (
+    "-----BEGIN OPENSSH PRIVATE KEY-----\n"
+    "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+    "-----END OPENSSH PRIVATE KEY-----\n"
+)
+
+
+def test_key_material_pasted_as_the_identity_file_is_refused_and_never_echoed(tmp_path):
+    path = tmp_path / "prepare.toml"
+    path.write_text(f'[join.ssh]\nidentity_file = """{KEY}"""\n')
+    with pytest.raises(Fail) as caught:
+        config.load(path)
+    message = caught.value.message
+    assert caught.value.permanent and "join.ssh.identity_file" in message
+    assert "looks like a private key itself" in message and "<private key material, not shown>" in message
+    assert "b3BlbnNzaC1rZXktdjE" not in message and "BEGIN" not in message
+
+
+def test_key_material_in_a_spec_built_in_code_is_refused_and_never_echoed():
+    from prepare import PrepareSpec, SshSpec, prepare
+
+    with pytest.raises(Fail) as caught:
+        prepare(PrepareSpec(cpu_only=True, ssh=SshSpec(identity_file=KEY.replace("\n", " "))), [])
+    assert "PrepareSpec.ssh.identity_file" in caught.value.message
+    assert "b3BlbnNzaC1rZXktdjE" not in caught.value.message
+
+
+def test_notes_and_progress_lines_hide_credentials_whoever_wrote_them():
+    out = io.StringIO()
+    print_notes("fdl-prepare", [f"fetched https://u:{TOKEN}@h/x"], file=out)
+    render = progress.renderer(out, live=False)
+    render({"type": "download-start", "id": 1, "name": f"https://{TOKEN}@cache.example.org/nar/x.nar"})
+    render({"type": "step", "name": "wait", "detail": f"git+https://u:{TOKEN}@h/r"})
+    assert TOKEN not in out.getvalue()
+    assert "https://***@cache.example.org" in out.getvalue()
+
+
+@pytest.mark.nix
+def test_a_credential_nix_itself_quotes_from_a_flakes_own_input_is_hidden(nix_env, make_flake, tmp_path):
+    # Text fdl-prepare did not write: the flake's own input, with a token,
+    # fails to fetch, and nix quotes its URL in the error.
+    flake = make_flake(
+        flake_nix=(
+            "{ inputs.private = { "
+            f'url = "http://ci:{TOKEN}@127.0.0.1:1/private.tar.gz"; flake = false; }}; '
+            "outputs = { self, private }: { }; }\n"
+        )
+    )
+    from prepare import build as build_mod
+    from prepare.spec import PrepareSpec
+
+    events = io.StringIO()
+    notes: list[str] = []
+    spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state"))
+    with pytest.raises(Fail) as caught:
+        build_mod.build(spec, None, notes, progress=progress.renderer(events, live=False))
+    said = caught.value.message + "\n".join(notes) + events.getvalue()
+    # Nix's own error quotes the URL it could not download, token and all.
+    assert "unable to download 'http://***@127.0.0.1:1/private.tar.gz'" in caught.value.message
+    assert TOKEN not in said

@@ -1,0 +1,105 @@
+"""Children die with fdl-prepare, even on SIGKILL, when no handler of ours
+runs (prepare/proc.py asks the kernel for PR_SET_PDEATHSIG in each child).
+SIGINT and SIGTERM are in tests/test_cli.py and tests/test_build.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
+
+from prepare import proc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_every_child_is_started_with_sigkill_as_its_parent_death_signal():
+    probe = "import ctypes; v = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); print(v.value)"
+    done = proc.run([sys.executable, "-c", probe], timeout=30)
+    assert done.ok, done.stderr
+    assert int(done.stdout) == signal.SIGKILL
+
+
+def _wait_gone(text: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while procs_with(text):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_child_dies_when_its_caller_is_sigkilled(tmp_path):
+    marker = f"{time.time_ns() % 100000 + 300}.{os.getpid()}"
+    code = f"from prepare import proc\nproc.run(['sleep', '{marker}'])\n"
+    caller = subprocess.Popen([sys.executable, "-c", code], cwd=str(REPO))
+    try:
+        deadline = time.monotonic() + 30
+        while not procs_with(f"sleep {marker}"):
+            assert caller.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        caller.kill()  # SIGKILL: no handler, no finally, nothing of ours runs
+        caller.wait(timeout=10)
+        assert _wait_gone(f"sleep {marker}", 5), procs_with(f"sleep {marker}")
+    finally:
+        for pid, _ in procs_with(f"sleep {marker}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.nix
+def test_a_sigkilled_prepare_leaves_no_nix_to_rewrite_the_out_links(nix_env, test_flake, state_dir, git_source):
+    # The issue's case: fdl-prepare SIGKILLed mid-build orphaned nix, which
+    # later rewrote the out-links with the state lock long released.
+    from prepare import build as build_mod
+    from prepare.spec import PrepareSpec, SourceSpec
+
+    src = git_source(trainer())
+    s = PrepareSpec(
+        source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=state_dir
+    )
+    build_mod.build(s, None, [])
+    roots = os.path.join(state_dir, "gcroots")
+    before = {n: os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
+
+    # A build that takes a few seconds: long enough to be killed in, short
+    # enough to see that nothing writes the links once it would have ended.
+    marker = f"4.{os.getpid()}{time.time_ns() % 1000}"
+    build = f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
+    src.commit({".fdl-run.toml": manifest_text(bin="train", build=build)}, "slow build")
+    argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake]
+    argv += ["--source", src.url, "--state-dir", state_dir]
+    child = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
+        cwd=str(REPO),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not procs_with(f"sleep {marker}"):
+            assert child.poll() is None, "prepare ended before its build started"
+            assert time.monotonic() < deadline, "the build never started"
+            time.sleep(0.05)
+        child.kill()
+        child.wait(timeout=10)
+        # nix itself goes with it at once.
+        assert _wait_gone(f"--out-link {roots}", 5), procs_with(f"--out-link {roots}")
+        # Past the time the build would have taken: no one wrote the links.
+        time.sleep(float(marker) + 1)
+        after = {n: os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
+        assert after == before
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for pid, _ in procs_with(f"sleep {marker}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
