@@ -287,7 +287,12 @@ def test_systemd_analyze_security_scores_both_units_as_the_readme_says(tmp_path,
     generated.parent.mkdir()
     generated.write_text(module.service["unitText"])
     scores = (_exposure(plain), _exposure(generated))
-    assert scores == (6.6, 6.6)
+    # systemd's weights move between releases: 252 (Debian 12) scores these
+    # units 6.6, 257 (Debian 13) 6.4. What must hold is the README's figure
+    # as a ceiling, and one score for both units.
+    assert scores[0] == scores[1] and scores[0] <= 6.6, scores
+    if version == 252:
+        assert scores == (6.6, 6.6)
     assert "`systemd-analyze security` scores both units 9.6 before and 6.6 now" in DOCS.read_text()
 
 
