@@ -192,6 +192,8 @@ def check_source_url(url: str | None) -> str:
             "path: URLs are not percent-decoded either): move or link the tree to a path without spaces and "
             "name that in [join.source] from (--source)"
         )
+    if any(not c.isprintable() for c in url):
+        raise permanent(_control("source.from", url, "[join.source] from (--source)"))
     if url.startswith("/") or url.startswith("."):
         raise permanent(
             f"source.from = {url!r} is a bare path; Nix would guess whether it is a git checkout (following its "
@@ -242,6 +244,13 @@ def _refuse_credentials(field: str, url: str, where: str) -> None:
         "in nix.conf; a line `machine HOST login USER password TOKEN`, mode 0600), or for GitHub and GitLab "
         "`access-tokens = github.com=TOKEN` in a nix.conf only root can read; or fetch over git+ssh:// with a "
         "deploy key"
+    )
+
+
+def _control(field: str, url: str, where: str) -> str:
+    return (
+        f"{field} = {url!r} contains a control character (a NUL, an escape, ...), which no URL holds and no "
+        f"command line can carry: write the URL as printable text in {where}"
     )
 
 
@@ -301,6 +310,8 @@ def check_flake_url(flake: str | None) -> str:
             f'flake = {url!r} contains whitespace, which Nix refuses in a URL ("is not a valid URL"): move or '
             f"link the flake to a path without spaces and name that in {where}"
         )
+    if any(not c.isprintable() for c in url):
+        raise permanent(_control("flake", url, where))
     if "#" in url:
         bare, _, fragment = url.partition("#")
         raise permanent(
