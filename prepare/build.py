@@ -197,6 +197,8 @@ def check_source_url(url: str | None) -> str:
             "name that in [join.source] from (--source)",
             reason="config.invalid",
         )
+    if any(not c.isprintable() for c in url):
+        raise permanent(_control("source.from", url, "[join.source] from (--source)"), reason="config.invalid")
     if url.startswith("/") or url.startswith("."):
         raise permanent(
             f"source.from = {url!r} is a bare path; Nix would guess whether it is a git checkout (following its "
@@ -253,6 +255,13 @@ def _refuse_credentials(field: str, url: str, where: str) -> None:
         "`access-tokens = github.com=TOKEN` in a nix.conf only root can read; or fetch over git+ssh:// with a "
         "deploy key",
         reason="config.credentials-in-url",
+    )
+
+
+def _control(field: str, url: str, where: str) -> str:
+    return (
+        f"{field} = {url!r} contains a control character (a NUL, an escape, ...), which no URL holds and no "
+        f"command line can carry: write the URL as printable text in {where}"
     )
 
 
@@ -316,6 +325,8 @@ def check_flake_url(flake: str | None) -> str:
             f"link the flake to a path without spaces and name that in {where}",
             reason="config.invalid",
         )
+    if any(not c.isprintable() for c in url):
+        raise permanent(_control("flake", url, where), reason="config.invalid")
     if "#" in url:
         bare, _, fragment = url.partition("#")
         raise permanent(

@@ -256,7 +256,10 @@ def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) 
 def _report_interrupted(notes: list[str], as_json: bool, name: str = NAME) -> int:
     """SIGINT, or SIGTERM from systemd stopping the unit: the seam in
     prepare.proc has stopped any running child by now."""
-    message = "interrupted (SIGINT or SIGTERM): stopped before preparation finished; nothing half-done is kept"
+    message = (
+        "interrupted (SIGINT or SIGTERM) before preparation finished: the running step and its child were "
+        "stopped; the next attempt starts over"
+    )
     if as_json:
         out = {"kind": "interrupted", "message": message, "notes": [redact(n) for n in notes]}
         print(json.dumps(out, sort_keys=True), flush=True)

@@ -163,7 +163,7 @@ def _check_key(key: str, st: os.stat_result, text: bytes, env: Mapping[str, str]
     transient: the box would retry a key ssh never sends, for ever."""
     # OpenSSH's own rule (sshkey_perm_ok): a key its user owns must be
     # readable by nobody else, or it is ignored.
-    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
         raise permanent(
             f"the ssh identity file {key} has mode {stat.S_IMODE(st.st_mode):04o}: ssh refuses a private key "
             f"that others can read (\"Permissions {stat.S_IMODE(st.st_mode):04o} for '{key}' are too open\") and "

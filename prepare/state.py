@@ -162,7 +162,10 @@ def vet(state: str, origin: str, var: str) -> None:
         raise dirs.unusable(state, what, origin, err, var=var) from None
     try:
         mode = os.fstat(fd).st_mode
-        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        # Root's state directory is writable by root alone. Another user's
+        # may be group-writable: with a umask of 002 (Ubuntu's for users)
+        # that group is the user's own, and the directory is the user's.
+        if mode & (stat.S_IWGRP | stat.S_IWOTH if os.geteuid() == 0 else stat.S_IWOTH):
             raise permanent(
                 f"the state directory {state} (from {origin}) is writable by others than its owner (mode "
                 f"{stat.S_IMODE(mode):04o}): they could swap its entries for symlinks where root writes and "

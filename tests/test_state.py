@@ -194,3 +194,31 @@ def test_new_state_files_are_created_with_a_random_name_and_o_excl(tmp_path):
         os.close(fd)
     assert os.listdir(tmp_path) == ["x.json"]
     assert stat.S_IMODE((tmp_path / "x.json").stat().st_mode) == 0o644
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running as another uid needs root")
+def test_a_users_own_group_writable_state_directory_is_theirs_but_one_others_may_write_is_not():
+    # umask 002 (Ubuntu's for users) makes 0775 directories in the user's own group.
+    import shutil
+    import tempfile
+
+    import other_user
+
+    folder = Path(tempfile.mkdtemp(prefix="fdl-state-"))
+    try:
+        folder.chmod(0o755)
+        for mode, ok in ((0o775, True), (0o777, False)):
+            state_dir = folder / f"state-{mode:o}"
+            state_dir.mkdir()
+            state_dir.chmod(mode)
+            os.chown(state_dir, 54321, 54321)
+            code = (
+                "from prepare import state\nfrom prepare.fail import Fail\ntry:\n"
+                f"    state.vet({str(state_dir)!r}, '--state-dir', 'state_dir (--state-dir)')\n    print('ok')\n"
+                "except Fail as f:\n    print(f.message)\n"
+            )
+            done = other_user.run_as(54321, code)
+            assert done.returncode == 0, done.stderr
+            assert (done.stdout.strip() == "ok") is ok, done.stdout
+    finally:
+        shutil.rmtree(folder)

@@ -277,6 +277,14 @@ def _exposure(path: Path) -> float:
     return float(found.group(1))
 
 
+def _unsandboxed(path: Path) -> Path:
+    """The same unit without the sandbox: what it scored before."""
+    out = path.with_name("unsandboxed-" + path.name)
+    keep = [line for line in path.read_text().splitlines() if line.split("=", 1)[0].strip() not in SANDBOX]
+    out.write_text("\n".join(keep) + "\n")
+    return out
+
+
 def test_systemd_analyze_security_scores_both_units_as_the_readme_says(tmp_path, evaluate_module):
     version = systemd_version()
     if version < 250:
@@ -286,13 +294,13 @@ def test_systemd_analyze_security_scores_both_units_as_the_readme_says(tmp_path,
     generated = tmp_path / "module" / "fdl-prepare.service"
     generated.parent.mkdir()
     generated.write_text(module.service["unitText"])
-    scores = (_exposure(plain), _exposure(generated))
-    # systemd's weights move between releases: 252 (Debian 12) scores these
-    # units 6.6, 257 (Debian 13) 6.4. What must hold is the README's figure
-    # as a ceiling, and one score for both units.
-    assert scores[0] == scores[1] and scores[0] <= 6.6, scores
+    scores = [(_exposure(_unsandboxed(unit)), _exposure(unit)) for unit in (plain, generated)]
+    # Each systemd release weighs its checks a little differently; on every
+    # one the sandbox takes about three points off.
+    for before, after in scores:
+        assert after <= before - 2.5, scores
     if version == 252:
-        assert scores == (6.6, 6.6)
+        assert scores == [(9.6, 6.6), (9.6, 6.6)]
     assert "`systemd-analyze security` scores both units 9.6 before and 6.6 now" in DOCS.read_text()
 
 
@@ -311,9 +319,13 @@ def test_under_the_units_capability_bounding_set_and_no_new_privileges_a_box_sti
     assert one(unit, "Service", "NoNewPrivileges") == "yes"
     caps = one(unit, "Service", "CapabilityBoundingSet").removeprefix("~").split()
     bounding = ",".join("-" + cap.removeprefix("CAP_").lower() for cap in caps)
+    limits = ["setpriv", "--no-new-privs", f"--bounding-set={bounding}", "--"]
+    probe = subprocess.run([*limits, "true"], capture_output=True, text=True, timeout=30, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"setpriv cannot apply the unit's limits here: {probe.stderr.strip()}")
     point = sshfs_mounts.point()
     src = git_source(trainer())
-    argv = ["setpriv", "--no-new-privs", f"--bounding-set={bounding}", "--", console_script(), "--json"]
+    argv = [*limits, console_script(), "--json"]
     argv += ["--config", "/dev/null", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake, "--source", src.url]
     argv += ["--state-dir", str(tmp_path / "state"), "--data-source", sshd.source(remote_tree)]
     argv += ["--data-path", str(point), "--identity-file", str(sshd.user_key)]
