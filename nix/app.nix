@@ -38,7 +38,6 @@ python3Packages.buildPythonApplication {
   build-system = [ python3Packages.setuptools ];
   dependencies = with python3Packages; [
     nvidia-ml-py
-    sh
     typer
     rich
   ];

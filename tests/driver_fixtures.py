@@ -49,8 +49,6 @@ API (root only; the fixture skips elsewhere):
 
 from __future__ import annotations
 
-import atexit
-import functools
 import json
 import os
 import platform
@@ -154,21 +152,6 @@ def driver_libraries() -> Iterator[Compiled]:
         shutil.rmtree(build, ignore_errors=True)
 
 
-@functools.cache
-def _readable_sh() -> str:
-    """A PYTHONPATH entry any uid may read holding the `sh` package, which
-    prepare.proc runs ldconfig through (the readable package copy of
-    tests/other_user.py has only the standard library beside it)."""
-    import sh
-
-    root = Path(tempfile.mkdtemp(prefix="fdl-readable-sh-"))
-    shutil.copytree(Path(sh.__file__).parent, root / "sh", ignore=shutil.ignore_patterns("__pycache__"))
-    for path in [root, *root.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    atexit.register(shutil.rmtree, root, True)
-    return str(root)
-
-
 def smoke_binary(compiled: Compiled, driver_dir: Path | str, out: Path) -> Path:
     """A program that looks for libcuda.so.1 only in `driver_dir`, as a
     Nix-built one does (see the module's docstring)."""
@@ -263,7 +246,7 @@ class DriverHost:
             "os_release": 'NAME=NixOS\nID=nixos\nVERSION_ID="25.05"\n' if nixos else None,
             "uid": uid,
             "python": other_user.python_for(uid) if uid is not None else sys.executable,
-            "pythonpath": f"{other_user.readable_package_root()}:{_readable_sh()}" if uid is not None else None,
+            "pythonpath": other_user.readable_package_root() if uid is not None else None,
             "env": dict(os.environ if env is None else env),
         }
         run_file = self.root / "run.json"
