@@ -54,7 +54,7 @@ from prepare import nix as nix_mod
 from prepare import record as record_mod
 from prepare import state as state_mod
 from prepare import variants as variants_mod
-from prepare.fail import permanent, transient
+from prepare.fail import Fail, permanent, transient
 from prepare.nix_log import Log, store_name
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
@@ -87,6 +87,9 @@ class Built:
     run_id: str | None
     # The smoke run's arguments (the recipe's), for the pipeline.
     smoke: tuple[str, ...] | None = None
+    # The variant built: the one chosen, or the one chosen anew when the
+    # flake did not bear out a prediction (see `build_outputs`).
+    variant: variants_mod.Variant | None = None
 
 
 # -- the state directory ----------------------------------------------------------
@@ -398,6 +401,16 @@ class Session:
         self.flake_key: str | None = None
         self.record: record_mod.Record | None = None
         self.variants_raw: Any = None
+        # Filled by choose_variant for a flake this state directory has not
+        # seen, on a box that has been through the gate before: the digest
+        # of the recorded variants the choice was made from (see
+        # `_predicted`), the cards it was made for, and the notes it made.
+        self.gated: str | None = None
+        self.gpus: Gpus | None = None
+        self.gated_notes: list[str] = []
+        # The training source's fetch, started beside the flake's resolution
+        # on a re-dial (see `_start_source_fetch`).
+        self.source_fetch: nix_mod.PendingFetch | None = None
         self._held = ExitStack()
         try:
             self._held.enter_context(_locked(state, lock_wait_s(spec.build_timeout_s), step, notes))
@@ -411,6 +424,9 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         try:
+            if self.source_fetch is not None:
+                # Started and never waited for: an earlier step failed.
+                self.source_fetch.stop()
             self._held.close()
         finally:
             self.step.end()
@@ -473,20 +489,68 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
     cards, from the flake's metadata by evaluation: nothing is fetched or
     built before a card the variant ships no kernel for is refused."""
     spec, flake, system = session.spec, session.flake, session.system
+    session.gpus = gpus
+    known = None if spec.refresh else record_mod.load(session.state)
+    _start_source_fetch(session, known)
     identity = session.nix.flake_identity(flake)
     session.flake_key = None if identity is None else record_mod.key(identity, system, CONTRACT)
-    known = None if session.flake_key is None else record_mod.load(session.state)
-    if known is not None and known.flake_key == session.flake_key and not spec.refresh:
+    if session.flake_key is None:
+        known = None
+    if spec.libtorch is None and not spec.cpu_only:
+        session.notes.append('libtorch not set: choosing automatically (libtorch = "auto")')
+    if known is not None and known.flake_key == session.flake_key:
         # This flake, as locked, was evaluated by an earlier attempt, which
         # checked its contract: its variants are what it said then.
         session.record = known
         session.variants_raw = known.variants
+    elif known is not None and (predicted := _predicted(session, known, gpus)) is not None:
+        return predicted
     else:
         session.variants_raw = _evaluate_variants(session)
     variants = variants_mod.parse_variants(session.variants_raw, flake)
-    if spec.libtorch is None and not spec.cpu_only:
-        session.notes.append('libtorch not set: choosing automatically (libtorch = "auto")')
     return variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, flake, session.notes)
+
+
+def _predicted(session: Session, known: record_mod.Record, gpus: Gpus | None) -> variants_mod.Variant | None:
+    """A changed flake on a box that has been through the gate: the variant
+    chosen from the variants recorded for the flake before, without
+    evaluating. The build then asks for its outputs under
+    `ifVariants.<digest of those variants>` (nix/CONTRACT.md), an attribute
+    the new flake has only while its variants are exactly those: the
+    choice is then the one its own metadata give, and the build's one
+    evaluation is the attempt's only one. Otherwise that evaluation fails
+    before anything is built, and `build_outputs` takes the normal path.
+    None (evaluate as usual) when the recorded variants do not serve this
+    box, since the new flake's might."""
+    spec = session.spec
+    said: list[str] = []
+    try:
+        variants = variants_mod.parse_variants(known.variants, session.flake)
+        variant = variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, session.flake, said)
+    except Fail:
+        return None
+    session.variants_raw = known.variants
+    session.gated = record_mod.variants_digest(known.variants)
+    session.gated_notes = said
+    session.notes.extend(said)
+    return variant
+
+
+def _start_source_fetch(session: Session, known: record_mod.Record | None) -> None:
+    """On a re-dial of the same source (the record says this box built it
+    before), fetch it beside the flake's resolution rather than after the
+    gate: the two resolutions are the bulk of a warm attempt. A box that has
+    never fetched it keeps the gate's order (nothing fetched before the
+    gate); a re-dial's fetch is the re-resolution of a tree already in the
+    store, and a refusal stops it."""
+    source = session.spec.source
+    if known is None or known.plan is None or source is None or known.plan.source_url != source.from_:
+        return
+    url = source.from_
+    assert url is not None
+    session.source_fetch = session.nix.start_prefetch(
+        url, doing=f"fetching the training source {url!r} (source.from, --source)", unreachable="source.unreachable"
+    )
 
 
 def _evaluate_variants(session: Session) -> Any:
@@ -519,9 +583,12 @@ def fetch_source(session: Session) -> Source | None:
     url = source.from_
     assert url is not None  # check_source_url refused a source without one
     session.step("fetch", f"training source {url}")
-    fetched = session.nix.prefetch(
-        url, doing=f"fetching the training source {url!r} (source.from, --source)", unreachable="source.unreachable"
-    )
+    pending, session.source_fetch = session.source_fetch, None
+    if pending is None:
+        pending = session.nix.start_prefetch(
+            url, doing=f"fetching the training source {url!r} (source.from, --source)", unreachable="source.unreachable"
+        )
+    fetched = pending.result()
     _note_fetched(fetched, session.notes)
     manifest = manifest_mod.read(fetched.store_path)
     recipe = manifest_mod.merge(source, manifest, url)
@@ -541,10 +608,7 @@ def build_outputs(
     out_link = os.path.join(session.state, "gcroots", link)
     warm = link == "run"
     flake_input = None if source is None else source.recipe.flake_input(variant.label, CONTRACT)
-    plan_key = None
-    if warm and session.flake_key is not None:
-        nar_hash = None if source is None else source.fetched.nar_hash
-        plan_key = record_mod.key(session.flake_key, variant.label, nar_hash, flake_input)
+    plan_key = _plan_key(session, variant, source, flake_input) if warm else None
     known = session.record
     if (
         plan_key is not None
@@ -560,14 +624,57 @@ def build_outputs(
         )
         return _built(session, variant, source, known.plan.results, Log())
 
-    installables = [f"{session.fdl}.libtorch.{variants_mod.nix_attr(variant.label)}"]
+    try:
+        results, log = _build(session, variant, source, flake_input, out_link)
+    except Fail as fail:
+        if session.gated is None or fail.reason not in ("nix.evaluation", "nix.unknown"):
+            raise
+        # The flake's variants are not the recorded ones (or it predates
+        # `ifVariants`): nothing was built. The normal path: evaluate them,
+        # choose and check coverage anew, and build what that gives.
+        variant = _choose_again(session)
+        flake_input = None if source is None else source.recipe.flake_input(variant.label, CONTRACT)
+        plan_key = _plan_key(session, variant, source, flake_input) if warm else None
+        results, log = _build(session, variant, source, flake_input, out_link)
+    outputs.prune_links(out_link, outputs.store_paths(results))
+    built = _built(session, variant, source, results, log)
+    if session.flake_key is not None and plan_key is not None:
+        url = None if source is None else source.fetched.url
+        plan = record_mod.Plan(key=plan_key, results=results, source_url=url)
+        record_mod.save(session.state, record_mod.Record(session.flake_key, session.variants_raw, plan))
+    elif warm:
+        record_mod.forget(session.state)
+    caches.note(log, session.spec.nix.substituters, session.notes)
+    return built
+
+
+def _plan_key(
+    session: Session, variant: variants_mod.Variant, source: Source | None, flake_input: dict[str, Any] | None
+) -> str | None:
+    """What decides a build's outputs (record.py); None when the flake's
+    identity could not be told."""
+    if session.flake_key is None:
+        return None
+    nar_hash = None if source is None else source.fetched.nar_hash
+    return record_mod.key(session.flake_key, variant.label, nar_hash, flake_input)
+
+
+def _build(
+    session: Session,
+    variant: variants_mod.Variant,
+    source: Source | None,
+    flake_input: dict[str, Any] | None,
+    out_link: str,
+) -> tuple[list[dict[str, Any]], Log]:
+    fdl = session.fdl if session.gated is None else f'{session.fdl}.ifVariants."{session.gated}"'
+    installables = [f"{fdl}.libtorch.{variants_mod.nix_attr(variant.label)}"]
     overrides: dict[str, str] = {}
     if source is not None and flake_input is not None:
         recipe_dir = outputs.write_recipe(session.state, flake_input)
         overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
-        installables += [f"{session.fdl}.training", source.fetched.store_path]
+        installables += [f"{fdl}.training", source.fetched.store_path]
     session.step("build", ", ".join(_short(i) for i in installables))
-    results, log = session.nix.build(
+    return session.nix.build(
         installables,
         out_link=out_link,
         overrides=overrides,
@@ -576,15 +683,20 @@ def build_outputs(
         doing=f"building libtorch {variant.label}"
         + (f" and the training binary from {source.fetched.url!r}" if source is not None else ""),
     )
-    outputs.prune_links(out_link, outputs.store_paths(results))
-    built = _built(session, variant, source, results, log)
-    if session.flake_key is not None and plan_key is not None:
-        plan = record_mod.Plan(key=plan_key, results=results)
-        record_mod.save(session.state, record_mod.Record(session.flake_key, session.variants_raw, plan))
-    elif warm:
-        record_mod.forget(session.state)
-    caches.note(log, session.spec.nix.substituters, session.notes)
-    return built
+
+
+def _choose_again(session: Session) -> variants_mod.Variant:
+    """The normal path after a prediction the new flake did not bear out:
+    the prediction's notes withdrawn, the variants evaluated, the choice
+    and its coverage check made from them."""
+    for note in session.gated_notes:
+        with contextlib.suppress(ValueError):
+            session.notes.remove(note)
+    session.gated, session.gated_notes = None, []
+    session.variants_raw = _evaluate_variants(session)
+    variants = variants_mod.parse_variants(session.variants_raw, session.flake)
+    spec = session.spec
+    return variants_mod.choose(spec.libtorch, variants, session.gpus, spec.cpu_only, session.flake, session.notes)
 
 
 def build(
@@ -621,7 +733,7 @@ def _built(
     outputs.note_build(log, results, variant.label, libtorch_path, training_path, session.notes)
     libtorch = Libtorch(path=libtorch_path, variant=variant.label)
     if source is None or recipe is None:
-        return Built(libtorch=libtorch, bin=None, args=None, run_id=None)
+        return Built(libtorch=libtorch, bin=None, args=None, run_id=None, variant=variant)
     if training_path is None:
         raise permanent(
             f"the flake {session.flake!r} built no training output holding bin/{os.path.basename(recipe.bin)}: "
@@ -632,11 +744,16 @@ def _built(
         path=os.path.join(training_path, "bin", os.path.basename(recipe.bin)),
         cwd=os.path.normpath(os.path.join(source.fetched.store_path, recipe.cwd)),
     )
-    return Built(libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id, smoke=recipe.smoke)
+    return Built(
+        libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id, smoke=recipe.smoke, variant=variant
+    )
 
 
 def _short(installable: str) -> str:
-    return installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1] if "#" in installable else store_name(installable)
+    if "#" not in installable:
+        return store_name(installable)
+    attr = installable.rsplit("#", 1)[-1].rsplit(".fdl.", 1)[-1]
+    return attr.split('".', 1)[-1] if attr.startswith("ifVariants.") else attr
 
 
 def _note_fetched(fetched: nix_mod.Prefetched, notes: list[str]) -> None:

@@ -38,7 +38,7 @@ import os
 import platform
 import re
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -222,28 +222,35 @@ class Nix:
         is never an evaluation error, so every category brings its own.
         `unreachable`: the reason a failed fetch gets (the training source's
         is `source.unreachable`)."""
+        return self.start_prefetch(url, timeout=timeout, doing=doing, unreachable=unreachable).result()
+
+    def start_prefetch(
+        self,
+        url: str,
+        *,
+        timeout: float = FETCH_TIMEOUT_S,
+        doing: str | None = None,
+        unreachable: Reason = "nix.fetch",
+    ) -> PendingFetch:
+        """`prefetch`, started: its `result` (or `stop`) is the caller's to
+        call, while it does something else meanwhile."""
         self._ensure_registry()
         # tarball-ttl 0: a remote git ref (or tarball URL) is otherwise
         # resolved from Nix's cache for an hour, and a re-dial right after a
         # publish would build the previous commit.
         argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", url]
-        outcome = self._call(argv, timeout, doing or f"fetching {url}", FETCH, unreachable=unreachable)
+        doing = doing or f"fetching {url}"
+        log = Log(self.on_event)
         try:
-            data = json.loads(outcome.completed.stdout)
-            prefetched = Prefetched(
-                url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked")
-            )
-            if not (isinstance(prefetched.store_path, str) and isinstance(prefetched.nar_hash, str)):
-                raise TypeError("storePath and hash are not strings")
-            if prefetched.locked is not None and not isinstance(prefetched.locked, dict):
-                raise TypeError("locked is not an object")
-            return prefetched
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            raise transient(
-                f"{doing or 'fetching ' + url}: `nix flake prefetch` printed no store path "
-                f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
-                reason="nix.fetch",
-            ) from None
+            running = proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
+        except proc.Missing:
+            raise self._missing() from None
+
+        def finish() -> Prefetched:
+            outcome = self._finish(running, log, doing, FETCH, unreachable=unreachable)
+            return _prefetched(url, outcome.completed.stdout, doing)
+
+        return PendingFetch(finish, running.stop)
 
     def flake_identity(self, flake: str, *, timeout: float = FETCH_TIMEOUT_S) -> str | None:
         """What decides the flake's outputs, without evaluating them: the
@@ -353,7 +360,24 @@ class Nix:
     ) -> Outcome:
         log = Log(self.on_event)
         try:
-            completed = self._run(argv, timeout, log)
+            running = proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
+        except proc.Missing:
+            raise self._missing() from None
+        return self._finish(running, log, doing, phase, fix=fix, source_path=source_path, unreachable=unreachable)
+
+    def _finish(
+        self,
+        running: proc.Running,
+        log: Log,
+        doing: str,
+        phase: str,
+        *,
+        fix: str | None = None,
+        source_path: str | None = None,
+        unreachable: Reason = "nix.fetch",
+    ) -> Outcome:
+        try:
+            completed = running.wait()
         except proc.TimedOut as late:
             what = "the build" if phase == BUILD else "nix"
             slow_fix = "Raise build_timeout_s (--build-timeout) if the build is legitimately slow; "
@@ -375,6 +399,38 @@ class Nix:
                 phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable
             )
         return outcome
+
+
+class PendingFetch:
+    """A `nix flake prefetch` under way (`Nix.start_prefetch`)."""
+
+    def __init__(self, finish: Callable[[], Prefetched], stop: Callable[[], None]) -> None:
+        self._finish = finish
+        self._stop = stop
+
+    def result(self) -> Prefetched:
+        """What it fetched; its Fail if it failed."""
+        return self._finish()
+
+    def stop(self) -> None:
+        """Stop it: for a caller that no longer wants what it fetches."""
+        self._stop()
+
+
+def _prefetched(url: str, stdout: str, doing: str) -> Prefetched:
+    try:
+        data = json.loads(stdout)
+        prefetched = Prefetched(url=url, store_path=data["storePath"], nar_hash=data["hash"], locked=data.get("locked"))
+        if not (isinstance(prefetched.store_path, str) and isinstance(prefetched.nar_hash, str)):
+            raise TypeError("storePath and hash are not strings")
+        if prefetched.locked is not None and not isinstance(prefetched.locked, dict):
+            raise TypeError("locked is not an object")
+        return prefetched
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise transient(
+            f"{doing}: `nix flake prefetch` printed no store path ({stdout[:200]!r}); the next attempt retries",
+            reason="nix.fetch",
+        ) from None
 
 
 _VersionKey = tuple[str, int, int, int]

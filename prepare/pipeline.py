@@ -74,6 +74,7 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
                 source = build.fetch_source(session)
             with _timed(timings, "build"):
                 built = build.build_outputs(session, variant, source)
+            variant = built.variant or variant
         if built.bin is not None and built.smoke:
             from prepare import smoke
 

@@ -160,23 +160,28 @@ class Running:
         """Its exit status and output; TimedOut past its deadline. If the
         caller is interrupted meanwhile, the program is stopped first."""
         child = self._child
-        timed_out = False
+        # A timer kills it at the deadline: Popen.wait(timeout=) polls with
+        # sleeps of up to 50 ms, which every call on the warm path would pay.
+        expired = threading.Event()
+        timer = None
+        if self._deadline is not None:
+            timer = threading.Timer(max(0.0, self._deadline - time.monotonic()), self._expire, (expired,))
+            timer.daemon = True
+            timer.start()
         try:
-            try:
-                left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-                child.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _signal_group(child, signal.SIGKILL)
-                child.wait()
+            child.wait()
         except BaseException:
             _stop(child)
             raise
         finally:
+            if timer is not None:
+                timer.cancel()
             for reader in self._readers:
                 reader.join(_DRAIN_S)
         stderr = "".join(self._err)
-        if timed_out:
+        if expired.is_set():
+            # Killed at the deadline, or it outran the signal: past its time
+            # either way.
             raise TimedOut(self.argv, self._timeout or 0.0, stderr)
         code = child.returncode
         # Killed by a signal from outside (OOM killer, an operator): report it
@@ -184,6 +189,11 @@ class Running:
         returncode = 128 - code if code < 0 else code
         stdout = b"".join(self._out).decode("utf-8", "replace")
         return Completed(self.argv, returncode, stdout, stderr)
+
+    def _expire(self, expired: threading.Event) -> None:
+        expired.set()
+        if self._child.returncode is None:
+            _signal_group(self._child, signal.SIGKILL)
 
     def stop(self) -> None:
         """Stop it (its whole group) and reap it: for a caller that no

@@ -35,7 +35,9 @@ from typing import Any
 
 from prepare.outputs import store_paths
 
-VERSION = 1
+# 2: a plan names its source's URL (a re-dial of the same source fetches it
+# beside the flake's resolution).
+VERSION = 2
 NAME = "warm.json"
 # A record is a few KiB; anything larger is not one of ours.
 MAX_BYTES = 1 << 20
@@ -47,12 +49,25 @@ def key(*parts: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def variants_digest(variants: Any) -> str:
+    """The digest nix/contract.nix names `ifVariants` by:
+    `builtins.hashString "sha256" (builtins.toJSON variants)`. Nix's JSON
+    has its keys sorted and no spaces, and the metadata are strings, lists
+    and nulls, so the same bytes come from the JSON Nix printed for them.
+    Where they would not, the attribute is missing and the build takes the
+    normal path: a wrong digest costs an evaluation, never a wrong build."""
+    text = json.dumps(variants, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass(frozen=True)
 class Plan:
     """A build that succeeded: its key, and Nix's results for it."""
 
     key: str
     results: list[dict[str, Any]]
+    # The training source as the spec named it (None: no source).
+    source_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +77,9 @@ class Record:
     plan: Plan | None = None
 
     def to_json(self) -> dict[str, Any]:
-        plan = None if self.plan is None else {"key": self.plan.key, "results": self.plan.results}
+        plan = None
+        if self.plan is not None:
+            plan = {"key": self.plan.key, "results": self.plan.results, "source_url": self.plan.source_url}
         return {"version": VERSION, "flake_key": self.flake_key, "variants": self.variants, "plan": plan}
 
 
@@ -103,7 +120,10 @@ def _parse(data: Any) -> Record | None:
         # A build of ours always has a derivation (libtorch) among its results.
         if not any("drvPath" in r for r in results):
             return None
-        plan = Plan(key=raw_plan["key"], results=results)
+        source_url = raw_plan.get("source_url")
+        if source_url is not None and not isinstance(source_url, str):
+            return None
+        plan = Plan(key=raw_plan["key"], results=results, source_url=source_url)
     return Record(flake_key=flake_key, variants=data["variants"], plan=plan)
 
 

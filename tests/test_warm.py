@@ -17,10 +17,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, manifest_text, trainer
+from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
 
 from prepare import record
 from prepare.build import Built, build
+from prepare.fail import Fail
 from prepare.spec import PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
@@ -29,27 +30,39 @@ EVALUATING = ("eval", "build")
 
 
 class Counting:
-    """A `nix` that logs its subcommands before running the real one."""
+    """A `nix` that logs its subcommands (and when each started) before
+    running the real one; `delay(word, s)` holds each call whose argv
+    holds `word` that long first."""
 
     def __init__(self, tmp_path: Path) -> None:
-        real = shutil.which("nix")
-        assert real is not None
+        self.real = shutil.which("nix")
+        assert self.real is not None
         self.log = tmp_path / "nix-calls.jsonl"
         self.program = str(tmp_path / "bin" / "nix")
         Path(self.program).parent.mkdir(exist_ok=True)
+        self.delay("", 0)
+
+    def delay(self, word: str, seconds: float) -> None:
+        hold = f'case " $* " in *" {word} "*) sleep {seconds};; esac\n' if seconds else ""
         Path(self.program).write_text(
             "#!/bin/sh\n"
-            f"python3 -c 'import json,sys; print(json.dumps(sys.argv[1:]))' \"$@\" >> {self.log}\n"
-            f'exec {real} "$@"\n'
+            # One write of a whole line to a file opened for appending: two
+            # calls at once (a fetch beside a resolution) log two lines.
+            "python3 -c 'import json,os,sys,time; line = json.dumps([time.time(), sys.argv[2:]]) + chr(10); "
+            "fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT); os.write(fd, line.encode())' "
+            f'{self.log} "$@"\n' + hold + f'exec {self.real} "$@"\n'
         )
         Path(self.program).chmod(0o755)
 
-    def calls(self) -> list[list[str]]:
+    def timed_calls(self) -> list[tuple[float, list[str]]]:
         if not self.log.exists():
             return []
         lines = self.log.read_text().splitlines()
         self.log.unlink()
-        return [json.loads(line) for line in lines]
+        return [(t, argv) for t, argv in map(json.loads, lines)]
+
+    def calls(self) -> list[list[str]]:
+        return [argv for _, argv in self.timed_calls()]
 
     def evaluations(self) -> int:
         subcommands = [
@@ -92,7 +105,7 @@ def test_a_warm_attempt_evaluates_nothing_and_prepares_the_same(nix, make_flake,
     src = git_source(trainer())
     spec = cpu_spec(flake, state_dir, src.url)
     first = attempt(nix, spec)
-    assert nix.evaluations() == 2  # a new flake: its variants before the source is fetched, then the build
+    assert nix.evaluations() == 2  # a box never seen: the variants before the source is fetched, then the build
 
     notes: list[str] = []
     events: list[dict] = []
@@ -147,21 +160,131 @@ def test_a_changed_variant_evaluates_once(nix, make_flake, state_dir, git_source
     assert got.libtorch is not None and got.libtorch.variant == "cpu2"
 
 
-def test_a_changed_flake_is_evaluated_afresh(nix, make_flake, state_dir, git_source, tmp_path):
+CPU3 = 'toolchain: { cpu3 = { cuda = null; archs = [ ]; package = toolchain.mkLibtorch { label = "cpu3"; }; }; }\n'
+
+
+def test_a_changed_flake_with_the_same_variants_evaluates_once(nix, make_flake, state_dir, git_source):
+    src = git_source(trainer())
+    flake = make_flake(heavy=1000)
+    spec = cpu_spec(flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    nix.calls()
+    # A new tree (a new identity), the same variants: what a nixpkgs bump is.
+    Path(flake.removeprefix("path:"), "heavy.nix").write_text("2000\n")
+    notes: list[str] = []
+    events: list[dict] = []
+    second = attempt(nix, spec, notes, events)
+    calls = nix.calls()
+    gated = [a for argv in calls for a in argv if ".ifVariants." in a]
+    assert len(gated) == 2 and gated[1].endswith(".training"), calls
+    assert sum(1 for argv in calls if "eval" in argv or "build" in argv) == 1, calls
+    assert second == first and not built_names(events)
+    assert attempt(nix, spec) == first and nix.evaluations() == 0
+
+
+def test_a_changed_flake_with_other_variants_takes_the_normal_path_and_builds_nothing_first(
+    nix, make_flake, state_dir, git_source
+):
+    src = git_source(trainer())
+    flake = make_flake()
+    spec = cpu_spec(flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    nix.calls()
+    # One more variant: the recorded ones still serve the box, but they are
+    # not the flake's any more, so the build's evaluation refuses...
+    Path(flake.removeprefix("path:"), "extra.nix").write_text(CPU3)
+    events: list[dict] = []
+    second = attempt(nix, spec, events=events)
+    # ... and the variants are evaluated, then built as usual: the gated
+    # build, the variants, the build.
+    assert nix.evaluations() == 3
+    assert second == first and not built_names(events)
+    assert attempt(nix, spec) == first and nix.evaluations() == 0
+
+
+def test_a_changed_flake_that_no_longer_has_the_variant_is_refused_before_any_build(
+    nix, make_flake, state_dir, git_source
+):
+    src = git_source(trainer())
+    flake = make_flake(extra_nix=CPU3)
+    spec = replace(cpu_spec(flake, state_dir, src.url), cpu_only=False, libtorch="cpu3")
+    attempt(nix, spec)
+    nix.calls()
+    Path(flake.removeprefix("path:"), "extra.nix").unlink()
+    events: list[dict] = []
+    with pytest.raises(Fail) as refused:
+        attempt(nix, spec, events=events)
+    assert refused.value.kind == "permanent" and refused.value.reason == "libtorch.unknown-variant"
+    assert not built_names(events) and not [e for e in events if e["type"] == "download-start"]
+
+
+def test_a_flake_from_before_if_variants_gets_the_normal_path(nix, make_flake, state_dir, git_source):
+    src = git_source(trainer())
+    flake = make_flake()
+    spec = cpu_spec(flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    nix.calls()
+    contract = Path(flake.removeprefix("path:"), "nix", "contract.nix")
+    text = contract.read_text()
+    cut = text.index("  ifVariants.")
+    contract.write_text(text[:cut] + text[text.index("\n", cut) + 1 :])
+    assert attempt(nix, spec) == first
+    assert nix.evaluations() == 3
+
+
+def test_a_changed_flake_is_evaluated_afresh_when_the_recorded_variants_cannot_serve(
+    nix, make_flake, state_dir, git_source
+):
     src = git_source(trainer())
     flake = make_flake()
     attempt(nix, cpu_spec(flake, state_dir, src.url))
     nix.calls()
-    # The same flake with one more variant: a new tree, a new identity.
-    Path(flake.removeprefix("path:"), "extra.nix").write_text(
-        'toolchain: { cpu3 = { cuda = null; archs = [ ]; package = toolchain.mkLibtorch { label = "cpu3"; }; }; }\n'
-    )
+    # The same flake with one more variant, which the spec now asks for: the
+    # recorded variants cannot tell whether it serves the box.
+    Path(flake.removeprefix("path:"), "extra.nix").write_text(CPU3)
     spec = replace(cpu_spec(flake, state_dir, src.url), cpu_only=False, libtorch="cpu3")
     got = attempt(nix, spec)
     assert nix.evaluations() == 2  # its variants (before the source is fetched), then the build
     assert got.libtorch is not None and got.libtorch.variant == "cpu3"
     attempt(nix, spec)
     assert nix.evaluations() == 0
+
+
+# -- the two resolutions side by side -------------------------------------------------
+
+
+def test_a_re_dial_fetches_the_source_beside_the_flakes_resolution(nix, test_flake, state_dir, git_source):
+    src = git_source(trainer())
+    spec = cpu_spec(test_flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    nix.calls()
+    nix.delay("metadata", 2)
+    assert attempt(nix, spec) == first
+    started = {argv[argv.index("flake") + 1]: t for t, argv in nix.timed_calls() if "flake" in argv}
+    assert started["prefetch"] - started["metadata"] < 1.5, started
+
+
+def test_a_first_attempt_fetches_nothing_before_the_gate(nix, test_flake, state_dir, git_source):
+    spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
+    nix.delay("metadata", 1)
+    attempt(nix, spec)
+    order = [argv[argv.index("flake") + 1] if "flake" in argv else argv[-1] for argv in nix.calls()]
+    assert order.index("prefetch") > order.index("metadata"), order
+    evaluated = next(i for i, argv in enumerate(order) if argv.endswith(".fdl"))
+    assert order.index("prefetch") > evaluated, order
+
+
+def test_a_refused_re_dial_leaves_no_fetch_running(nix, test_flake, state_dir, git_source):
+    spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
+    attempt(nix, spec)
+    nix.calls()
+    nix.delay("prefetch", 30)
+    started = time.monotonic()
+    with pytest.raises(Fail) as refused:
+        attempt(nix, replace(spec, cpu_only=False, libtorch="no-such-variant"))
+    assert refused.value.reason == "libtorch.unknown-variant"
+    assert time.monotonic() - started < 20
+    assert not procs_with("sleep 30"), "the fetch started beside the resolution outlived the refusal"
 
 
 def test_refresh_evaluates_anyway_and_records_afresh(nix, test_flake, state_dir, git_source):
