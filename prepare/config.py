@@ -27,7 +27,6 @@ and this module only applies it, so no key needs an edit here.
 
 from __future__ import annotations
 
-import difflib
 import errno
 import functools
 import json
@@ -281,6 +280,8 @@ def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> dic
 
 
 def _looks_like_join(key: str) -> bool:
+    import difflib  # only for a config with a key that is not known
+
     low = key.lower()
     return low == "join" or sorted(low) == sorted("join") or difflib.SequenceMatcher(None, low, "join").ratio() >= 0.8
 
@@ -649,6 +650,8 @@ def _suggest(sub: str, key: str, table: Table) -> str:
             where = f"join.{other}.{key}" if other else f"join.{key}"
             within = f"[join.{other}]" if other else "[join]"
             return f"did you mean {where}? {key} belongs in {within}"
+    import difflib  # only for a config with a key that is not known
+
     close = difflib.get_close_matches(key, list(schema) + ([] if sub else table.subtables), n=1, cutoff=0.6)
     if close:
         return f"did you mean join.{sub + '.' if sub else ''}{close[0]}? {valid}"

@@ -33,15 +33,15 @@ the lock file itself in `prepare.locks`.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from prepare import human, listing, locks, mount, sshfs_url
 from prepare.fail import Fail, permanent
-from prepare.spec import PrepareSpec
+
+if TYPE_CHECKING:
+    from prepare.spec import PrepareSpec
 
 DEFAULT_DATA_PATH = "/flodl/data"
 
@@ -57,9 +57,14 @@ def ensure_root(spec: PrepareSpec, notes: list[str]) -> str | None:
     """Put the dataset source root in place and return its absolute path,
     or None when nothing is declared."""
     data = spec.data
+    if data.data_source is None and data.data_path is None:
+        return None
+    # Imported here: a box that declares no dataset (every CPU worker's
+    # re-dial, say) pays nothing for the mount and listing machinery.
+    from prepare import listing, mount, sshfs_url
+
     if data.data_source is None:
-        if data.data_path is None:
-            return None
+        assert data.data_path is not None
         path = _absolute(data.data_path, "data_path")
         listing.verify(path, spec.list_timeout_s, mounted_from=None)
         return path
@@ -108,6 +113,8 @@ def _lock_dir() -> str:
     /run/lock is world-writable (sticky) on systemd and Debian systems and is
     not hidden by a unit's PrivateTmp, so root and a service user serialize
     on the same file. Otherwise the runtime dir, otherwise the temp dir."""
+    import tempfile
+
     for candidate in ("/run/lock", os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir()):
         if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK):
             return candidate
@@ -115,6 +122,8 @@ def _lock_dir() -> str:
 
 
 def lock_path(mountpoint: str) -> str:
+    import hashlib
+
     key = hashlib.sha256(os.fsencode(mountpoint)).hexdigest()[:16]
     return os.path.join(_lock_dir(), f"fdl-prepare-mount.{key}.lock")
 
@@ -124,6 +133,8 @@ def _mount_lock(mountpoint: str, list_timeout_s: float) -> Iterator[None]:
     """Two prepares on one box must not both mount: the second would stack a
     second sshfs on the first. The lock is keyed by the mountpoint, lives
     outside it, and is released by the kernel if its holder dies."""
+    from prepare import human, listing, locks, mount
+
     path = lock_path(mountpoint)
     # What a holder can spend: a mount, its verbose retry or a remount of a
     # dead mount, and the listings around them, all bounded.

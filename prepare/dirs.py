@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import os
 import pwd
-import secrets
 import stat
 import threading
 from dataclasses import dataclass
@@ -168,7 +167,7 @@ def _probe(directory: str, what: str, origin: str, *, var: str | None = None) ->
     concurrent prepares (a persist loop racing a manual run, or threads of
     one join loop) never touch each other's probe, and a random tail with
     O_EXCL so a recycled pid cannot collide with a leftover either."""
-    name = f"{PROBE_PREFIX}{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
+    name = f"{PROBE_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}"
     path = os.path.join(directory, name)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:

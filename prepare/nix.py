@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import platform
 import re
 import stat
 from collections.abc import Callable, Mapping, Sequence
@@ -74,9 +73,12 @@ _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 def system() -> str:
     """The Nix system double of this machine, for attribute paths. Pure
     evaluation has no `builtins.currentSystem`, so we name it ourselves."""
-    machine = platform.machine().lower()
+    # os.uname, not the platform module: the same answer without importing
+    # platform on every attempt.
+    uname = os.uname()
+    machine = uname.machine.lower()
     arch = {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}.get(machine, machine)
-    kernel = platform.system().lower()
+    kernel = uname.sysname.lower()
     return f"{arch}-{kernel}"
 
 

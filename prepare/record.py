@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import json
 import os
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +147,7 @@ def _store_path(path: Any) -> bool:
 def save(state: str, record: Record) -> None:
     """Write the record whole, then rename it into place. A record that
     cannot be written only costs the next attempt an evaluation."""
-    tmp = os.path.join(state, f".{NAME}.{secrets.token_hex(8)}.tmp")
+    tmp = os.path.join(state, f".{NAME}.{os.urandom(8).hex()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import shutil
 import stat
 from collections.abc import Iterator
@@ -202,7 +201,7 @@ def write_at(directory: int, name: str, data: bytes, *, tmp_dir: int | None = No
     same directory) opened with O_EXCL | O_NOFOLLOW, synced, renamed into
     place. On any error the temporary file is gone and the OSError raised."""
     where = directory if tmp_dir is None else tmp_dir
-    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    tmp = f".{name}.{os.urandom(8).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=where)
     try:
         try:
