@@ -194,13 +194,15 @@ in
     libtorch
     training
     ;
-  # `libtorch` and `training` again, under the digest of the variants'
-  # metadata: the attribute exists only while the metadata are exactly
-  # those the runner chose from. A re-dial after the flake changed chooses
-  # from the variants it recorded and builds `ifVariants.<digest>.…`; if
-  # the new flake's variants differ, that evaluation fails before anything
-  # is built and the runner evaluates them as usual.
-  ifVariants.${hashString "sha256" (toJSON variants)} = { inherit libtorch training; };
+  # `libtorch` and `training` again, under the digest of the contract and
+  # the variants' metadata: the attribute exists only while they are
+  # exactly those the runner chose from. A re-dial after the flake changed
+  # chooses from the variants it recorded and builds `ifVariants.<digest>.…`;
+  # if the new flake's differ, that evaluation fails before anything is
+  # built, and the runner evaluates them as usual.
+  ifVariants.${hashString "sha256" (toJSON { inherit contract variants; })} = {
+    inherit libtorch training;
+  };
   # The recipe as the flake understood it, defaults filled in: lets the runner
   # (and an operator) see what a build will use without building it.
   recipe = checkedRecipe;

@@ -530,7 +530,7 @@ def _predicted(session: Session, known: record_mod.Record, gpus: Gpus | None) ->
     except Fail:
         return None
     session.variants_raw = known.variants
-    session.gated = record_mod.variants_digest(known.variants)
+    session.gated = record_mod.variants_digest(CONTRACT, known.variants)
     session.gated_notes = said
     session.notes.extend(said)
     return variant

@@ -48,14 +48,16 @@ def key(*parts: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def variants_digest(variants: Any) -> str:
+def variants_digest(contract: int, variants: Any) -> str:
     """The digest nix/contract.nix names `ifVariants` by:
-    `builtins.hashString "sha256" (builtins.toJSON variants)`. Nix's JSON
-    has its keys sorted and no spaces, and the metadata are strings, lists
-    and nulls, so the same bytes come from the JSON Nix printed for them.
-    Where they would not, the attribute is missing and the build takes the
-    normal path: a wrong digest costs an evaluation, never a wrong build."""
-    text = json.dumps(variants, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    `builtins.hashString "sha256" (builtins.toJSON { contract; variants; })`.
+    Nix's JSON has its keys sorted and no spaces, and the metadata are
+    strings, lists and nulls, so the same bytes come from the JSON Nix
+    printed for them. Where they would not, the attribute is missing and the
+    build takes the normal path: a wrong digest costs an evaluation, never a
+    wrong build."""
+    both = {"contract": contract, "variants": variants}
+    text = json.dumps(both, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -306,13 +306,14 @@ def test_the_signing_key_is_never_on_a_command_line_nor_in_a_message(
     key = signing_key("k-1")
     secret = key.secret.read_text().strip()
     seen: list[list[str]] = []
-    real = nix_mod.proc.run
+    real = nix_mod.proc.start
 
+    # `start` is where every program begins (`run` calls it too).
     def spy(argv, **kw):  # type: ignore[no-untyped-def]
         seen.append(list(argv))
         return real(argv, **kw)
 
-    monkeypatch.setattr(nix_mod.proc, "run", spy)
+    monkeypatch.setattr(nix_mod.proc, "start", spy)
     src = published_source(git_source)
     notes: list[str] = []
     # A cache nobody can write: the copy fails, after the key was used.

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
 
+from prepare import nix as nix_mod
 from prepare import record
-from prepare.build import Built, build
+from prepare.build import CONTRACT, Built, build
 from prepare.fail import Fail
 from prepare.spec import PrepareSpec, SourceSpec
 
@@ -227,7 +228,8 @@ def test_a_flake_from_before_if_variants_gets_the_normal_path(nix, make_flake, s
     contract = Path(flake.removeprefix("path:"), "nix", "contract.nix")
     text = contract.read_text()
     cut = text.index("  ifVariants.")
-    contract.write_text(text[:cut] + text[text.index("\n", cut) + 1 :])
+    end = text.index("\n  };\n", cut) + len("\n  };\n")
+    contract.write_text(text[:cut] + text[end:])
     assert attempt(nix, spec) == first
     assert nix.evaluations() == 3
 
@@ -248,6 +250,19 @@ def test_a_changed_flake_is_evaluated_afresh_when_the_recorded_variants_cannot_s
     assert got.libtorch is not None and got.libtorch.variant == "cpu3"
     attempt(nix, spec)
     assert nix.evaluations() == 0
+
+
+def test_the_runners_digest_is_the_name_the_flake_gives_if_variants(nix_env, make_flake):
+    flake = make_flake(extra_nix=CPU3)
+    fdl = f"{flake}#legacyPackages.{nix_mod.system()}.fdl"
+    state = Path(flake.removeprefix("path:")).parent / "state-digest"
+    state.mkdir()
+    runner = nix_mod.Nix(str(state))
+    got = runner.eval_json(fdl, apply="f: { names = builtins.attrNames f.ifVariants; inherit (f) variants; }")
+    assert got["names"] == [record.variants_digest(CONTRACT, got["variants"])]
+    # ... and any other metadata (or contract) names another attribute.
+    assert record.variants_digest(CONTRACT, {**got["variants"], "cpu3": {}}) not in got["names"]
+    assert record.variants_digest(CONTRACT + 1, got["variants"]) not in got["names"]
 
 
 # -- the two resolutions side by side -------------------------------------------------
