@@ -128,8 +128,10 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
     # interpreter starting, and the training source's re-resolution (a
     # moving ref must be resolved on every attempt; the flake's runs beside
     # it).
+    modules = "prepare.cli, prepare.pipeline, prepare.config, prepare.gate, prepare.data, prepare.dirs, prepare.build"
     floor = {
         "python": [sys.executable, "-c", "pass"],
+        "imports": [sys.executable, "-c", f"import {modules}"],
         "resolve": runner._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", source],
     }
     commands = {"cli": cli, "bare": bare, **floor}
@@ -151,10 +153,11 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
         "cli": "fdl-prepare CLI (warm)",
         "bare": "bare nix build (same argv)",
         "python": "floor: python -c pass",
+        "imports": "python, importing what a warm attempt does",
         "resolve": "floor: nix flake prefetch (source)",
     }
     for which, values in seconds_of.items():
-        print(f"{name}: {label[which]:<36} median {med[which] * 1000:8.1f} ms  (min {min(values) * 1000:.1f})")
+        print(f"{name}: {label[which]:<44} median {med[which] * 1000:8.1f} ms  (min {min(values) * 1000:.1f})")
     return med
 
 
@@ -221,10 +224,11 @@ def main() -> int:
             print(f"ratio CLI / bare build, {name + ' flake:':<16} {ratio:5.2f}x  (target <= {target:g}x)")
         ordinary = figures["ordinary"]
         floor = ordinary["python"] + ordinary["resolve"]
+        imports = ordinary["imports"] - ordinary["python"]
         print(
             f"floor on the ordinary flake: interpreter + source resolution = {floor * 1000:.1f} ms, "
             f"{floor / ordinary['bare']:.2f}x the bare build; the CLI spends {(ordinary['cli'] - floor) * 1000:.1f} ms "
-            "more (imports, the flake's resolution beside the source's, the record)"
+            f"more, {imports * 1000:.1f} of them importing its modules"
         )
         print(
             f"evaluations: warm attempt {warm}, nothing recorded {cold}, after a new commit {commit}, "
