@@ -8,18 +8,27 @@ generated on the way to `fdl`, as costly to evaluate as nixpkgs: seconds).
 Offline (NIX_CONFIG `substituters =`), against flat copies of the test flake
 and the example training source (examples/trainer) in a temp git repository,
 `--cpu-only --libtorch cpu`; with `--demo`, the ordinary flake is the one
-scripts/demo uses. One warm-up run builds everything; then the two commands
-take turns N times in this one process, so a noisy machine slows both alike,
-and the medians and their ratio are printed. Targets: at most 3x on the
-ordinary flake, at most 0.5x on the heavy one (a warm attempt evaluates
-nothing, the bare build evaluates the flake). A `nix` that logs its calls,
-first on PATH, counts the evaluations (`nix eval`, `nix build`) of a warm
-attempt, of an attempt with nothing recorded, and of one after a new commit.
+scripts/demo uses. One warm-up run builds everything; then the commands take
+turns N times in this one process, so a noisy machine slows them alike, and
+the medians and the ratios are printed. Targets: at most 3x on the ordinary
+flake, at most 0.5x on the heavy one (a warm attempt evaluates nothing, the
+bare build evaluates the flake).
+
+Measured in the same rounds, to show where the CLI's time goes: the
+interpreter starting (`python -c pass`), importing what a warm attempt
+imports, the source's resolution alone (`nix flake prefetch`), and a warm
+`prepare()` library call in one long-lived process, as a join loop makes it.
+
+A `nix` that logs its calls, first on PATH, counts the evaluations (`nix
+eval`, `nix build`) of a warm attempt, of an attempt with nothing recorded,
+of one after a new commit, and of one after the flake changed but not its
+variants.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -68,6 +77,17 @@ def timed(argv: list[str], env: dict[str, str]) -> tuple[float, subprocess.Compl
 
 
 HEAVY = 600000
+
+JOIN_LOOP = """
+import json, os, sys, time
+from prepare import config
+from prepare.pipeline import prepare
+spec = config.resolve({}, json.loads(sys.argv[1]), os.environ)
+for _ in sys.stdin:
+    start = time.perf_counter()
+    prepare(spec, [])
+    print(time.perf_counter() - start, flush=True)
+"""
 EVALUATING = ("eval", "build")
 
 
@@ -135,11 +155,30 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
         "resolve": runner._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", source],
     }
     commands = {"cli": cli, "bare": bare, **floor}
-    seconds_of: dict[str, list[float]] = {which: [] for which in commands}
+    # The library call from a join loop: one long-lived process, each
+    # attempt a `prepare()` call (its first call, the warm-up, not counted).
+    flags = {"cpu_only": True, "libtorch": "cpu", "flake": flake, "source": {"from": source}, "state_dir": str(state)}
+    loop = subprocess.Popen(
+        [sys.executable, "-c", JOIN_LOOP, json.dumps(flags)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert loop.stdin is not None and loop.stdout is not None
+    loop.stdin.write("warm-up\n")
+    loop.stdin.flush()
+    loop.stdout.readline()
+    seconds_of: dict[str, list[float]] = {which: [] for which in [*commands, "library"]}
     for i in range(n):
-        names = list(commands)
+        names = [*commands, "library"]
         order = names[i % len(names) :] + names[: i % len(names)]
         for which in order:
+            if which == "library":
+                loop.stdin.write("attempt\n")
+                loop.stdin.flush()
+                seconds_of[which].append(float(loop.stdout.readline()))
+                continue
             seconds, done = timed(commands[which], env)
             if done.returncode != 0:
                 print(f"{name}: {which} failed on round {i}:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -148,6 +187,8 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
                 again = json.loads(done.stdout)
                 assert again["libtorch"] == prepared["libtorch"] and again["bin"] == prepared["bin"]
             seconds_of[which].append(seconds)
+    loop.stdin.close()
+    loop.wait()
     med = {which: statistics.median(values) for which, values in seconds_of.items()}
     label = {
         "cli": "fdl-prepare CLI (warm)",
@@ -155,6 +196,7 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
         "python": "floor: python -c pass",
         "imports": "python, importing what a warm attempt does",
         "resolve": "floor: nix flake prefetch (source)",
+        "library": "library call in a join loop (warm)",
     }
     for which, values in seconds_of.items():
         print(f"{name}: {label[which]:<44} median {med[which] * 1000:8.1f} ms  (min {min(values) * 1000:.1f})")
@@ -203,6 +245,10 @@ def main() -> int:
         print("nix is not installed: nothing to measure", file=sys.stderr)
         return 1
 
+    # Byte-compiled first, as an installed fdl-prepare is (the Nix app, a
+    # pip install): with PYTHONDONTWRITEBYTECODE set, every run would
+    # compile the edited modules again and count that as the warm path.
+    compileall.compile_dir(str(REPO / "prepare"), quiet=1)
     tmp = Path(tempfile.mkdtemp(prefix="fdl-bench-warm-"))
     try:
         env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "HOME": str(tmp / "home")}
@@ -230,6 +276,9 @@ def main() -> int:
             f"{floor / ordinary['bare']:.2f}x the bare build; the CLI spends {(ordinary['cli'] - floor) * 1000:.1f} ms "
             f"more, {imports * 1000:.1f} of them importing its modules"
         )
+        for name in ("ordinary", "heavy"):
+            library = figures[name]["library"] / figures[name]["bare"]
+            print(f"ratio library call / bare build, {name + ' flake:':<16} {library:5.2f}x")
         print(
             f"evaluations: warm attempt {warm}, nothing recorded {cold}, after a new commit {commit}, "
             f"after a changed flake with the same variants {flake_changed}"

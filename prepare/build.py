@@ -12,11 +12,18 @@ part (`build` runs them in the same order):
 2. `choose_variant`: the variant and its arch coverage come from
    *evaluating* the flake's `fdl.variants`: nothing is fetched or built
    before a card that the variant ships no kernel for is refused (permanent).
+   A re-dial takes them from `<state>/warm.json` instead (record.py): as
+   they were, for the flake as locked then; as they were *recorded*, for a
+   flake that changed since, in which case the build asks for its outputs
+   under `ifVariants.<digest>` and so builds nothing unless the new flake's
+   variants are those (see `_predicted`).
 3. `fetch_source`: the training source is fetched once per attempt (`nix
    flake prefetch`), which re-resolves a moving ref, so a re-dial after a new
    publish sees the new commit. The build then gets *that* tree by store path
    and NAR hash (`--override-input source path:<store>?narHash=`), never the
-   URL: the ref cannot move between fetch and build.
+   URL: the ref cannot move between fetch and build. On a re-dial of the
+   source the box built before, the fetch starts beside the flake's
+   resolution, before step 2 (see `_start_source_fetch`).
 4. Also `fetch_source`: the manifest is read from the fetched tree and merged
    over the box's recipe. `build_outputs` hands the result to the flake as
    `recipe.json` in a directory under the state directory

@@ -13,7 +13,11 @@ them, keyed by everything that decides them:
 
 The flake's variant metadata is kept under the flake's key alone, so an
 attempt after a new publish of the training source (the common re-dial)
-chooses its variant without evaluating and evaluates once, to build.
+chooses its variant without evaluating and evaluates once, to build. After
+the flake itself changed (a new nixpkgs, a new toolchain pin), the variant
+is chosen from the recorded metadata and the build names them by digest
+(`variants_digest`, nix/CONTRACT.md `ifVariants`): one evaluation again,
+and none that builds anything if the new flake's variants are not those.
 
 Any doubt means the normal path, never a wrong answer: a missing,
 truncated, oversized or malformed record, a key that differs, an out-link
