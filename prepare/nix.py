@@ -156,8 +156,11 @@ class Nix:
             ) from None
 
     def _run(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Completed:
+        return self._start(argv, timeout, log).wait()
+
+    def _start(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Running:
         try:
-            return proc.run(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
+            return proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
         except proc.Missing:
             raise self._missing() from None
 
@@ -243,10 +246,7 @@ class Nix:
         argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", url]
         doing = doing or f"fetching {url}"
         log = Log(self.on_event)
-        try:
-            running = proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
-        except proc.Missing:
-            raise self._missing() from None
+        running = self._start(argv, timeout, log)
 
         def finish() -> Prefetched:
             outcome = self._finish(running, log, doing, FETCH, unreachable=unreachable)
@@ -361,10 +361,7 @@ class Nix:
         unreachable: Reason = "nix.fetch",
     ) -> Outcome:
         log = Log(self.on_event)
-        try:
-            running = proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
-        except proc.Missing:
-            raise self._missing() from None
+        running = self._start(argv, timeout, log)
         return self._finish(running, log, doing, phase, fix=fix, source_path=source_path, unreachable=unreachable)
 
     def _finish(
