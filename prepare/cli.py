@@ -360,6 +360,15 @@ def publish(
     args: Annotated[
         list[str] | None, typer.Option("--arg", metavar="ARG", help="An argument of the run, repeatable, in order.")
     ] = None,
+    smoke: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--smoke",
+            metavar="ARG",
+            help="An argument of the smoke run each box makes of the binary, repeatable (outranks the boxes' own).",
+        ),
+    ] = None,
+    no_smoke: bool = typer.Option(False, "--no-smoke", help="Write `smoke = []`: the boxes make no smoke run."),
     commit: bool = typer.Option(False, "--commit", help="git: commit the manifest alone on the commit built."),
     push: bool = typer.Option(False, "--push", help="git: commit and push the manifest."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the publish, or the Fail."),
@@ -384,6 +393,8 @@ def publish(
         raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
     except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
         raise typer.Exit(_report_bug(bug, notes, as_json, name)) from None
+    if smoke and no_smoke:
+        raise typer.BadParameter("give --smoke ARG to set the smoke run, or --no-smoke to turn it off, not both")
     spec = PublishSpec(
         source=source,
         bin=bin_,
@@ -393,6 +404,7 @@ def publish(
         cwd=cwd,
         build=build,
         args=tuple(args or ()),
+        smoke=() if no_smoke else (tuple(smoke) if smoke else None),
         flake=shared.flake,
         state_dir=shared.state_dir,
         build_timeout_s=shared.build_timeout_s,

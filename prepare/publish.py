@@ -75,6 +75,10 @@ class PublishSpec:
     cwd: str = "."
     build: str | None = None
     args: tuple[str, ...] = ()
+    # The smoke run's arguments, written as the manifest's `smoke` (which
+    # outranks a box's own); () writes `smoke = []`, which turns the boxes'
+    # off; None writes no `smoke`, and each box keeps its own.
+    smoke: tuple[str, ...] | None = None
     flake: str | None = None
     state_dir: str | None = None
     build_timeout_s: float | None = None
@@ -386,6 +390,7 @@ def _manifest_text(spec: PublishSpec, run_id: str, rev: str | None, to: str, var
         # An empty build line says "none" and outranks a box's own.
         f"build = {_toml(spec.build or '')}",
         f"args = [{', '.join(_toml(a) for a in spec.args)}]",
+        *([] if spec.smoke is None else [f"smoke = [{', '.join(_toml(a) for a in spec.smoke)}]"]),
         f"run = {_toml(run_id)}",
         "built = true",
         f"published_epoch = {int(time.time())}",
@@ -399,9 +404,13 @@ def _manifest_text(spec: PublishSpec, run_id: str, rev: str | None, to: str, var
 
 
 def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
+    # A name nobody can guess, created afresh and never through a link:
+    # whoever else may write the tree cannot plant a file or a symlink for
+    # this write to go through.
+    tmp = f"{path}.{secrets.token_hex(8)}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

@@ -21,6 +21,7 @@ from console import console_script
 from fleet_fixtures import built, substituted
 from nix_fixtures import NIX_CONFIG, nix_daemon_client, procs_with, trainer
 
+from prepare import manifest as manifest_mod
 from prepare import nix as nix_mod
 from prepare.build import build
 from prepare.fail import Fail
@@ -409,3 +410,48 @@ def test_publish_takes_preparations_shared_flags_with_the_same_checks(tmp_path):
     assert done.returncode == 78, done.stderr
     assert "fdl-prepare publish: permanent failure" in done.stderr
     assert "--build-timeout (join.build_timeout) = 0.0" in done.stderr
+
+
+# -- the manifest's smoke run, and how it is written ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("smoke", "read_back"), [(("--smoke", "--quick"), ("--smoke", "--quick")), ((), ()), (None, None)]
+)
+def test_publish_writes_the_smoke_run_the_boxes_make(
+    test_flake, git_source, binary_cache, signing_key, tmp_path, smoke, read_back
+):
+    src = published_source(git_source)
+    spec = publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path)
+    publish(replace(spec, smoke=smoke), [])
+    written = manifest_mod.read(str(src.path))
+    assert written is not None and written.smoke == read_back
+    # What a box makes of it: the manifest's outranks the box's own, and no
+    # `smoke` in the manifest leaves the box's.
+    recipe = manifest_mod.merge(SourceSpec(from_=src.url, smoke=("--box",)), written, src.url)
+    assert recipe.smoke == (("--box",) if smoke is None else read_back)
+
+
+def test_the_manifest_is_not_written_through_a_file_planted_at_a_guessable_name(
+    test_flake, git_source, binary_cache, signing_key, tmp_path
+):
+    src = published_source(git_source)
+    victim = tmp_path / "victim"
+    victim.write_text("untouched\n")
+    # The name the manifest's temporary file once had: the pid, guessable.
+    (src.path / f".fdl-run.toml.{os.getpid()}.tmp").symlink_to(victim)
+    publish(publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), [])
+    assert victim.read_text() == "untouched\n"
+    manifest = src.path / ".fdl-run.toml"
+    assert manifest.is_file() and not manifest.is_symlink() and "built = true" in manifest.read_text()
+    assert not [p for p in src.path.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]
+
+
+def test_publish_refuses_a_smoke_run_set_and_turned_off_at_once(tmp_path):
+    publish_script = Path(console_script()).with_name("fdl-prepare-publish")
+    if not publish_script.exists():
+        pytest.skip("the fdl-prepare-publish console script is not installed (pip install -e .)")
+    argv = [str(publish_script), str(tmp_path), "--bin", "train", "--to", "file:///x", "--signing-key", "/k"]
+    done = subprocess.run([*argv, "--smoke", "--quick", "--no-smoke"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "--smoke ARG to set the smoke run, or --no-smoke to turn it off, not both" in done.stderr
