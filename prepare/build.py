@@ -66,7 +66,7 @@ from prepare.nix_log import Log, store_name
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
 if TYPE_CHECKING:
-    from prepare.gate import Gpus
+    from prepare.gpus import Gpus
     from prepare.progress import Event, Progress
 
 CONTRACT = 1

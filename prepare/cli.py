@@ -123,8 +123,10 @@ def _flags(table: Table, given: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # The keys publish shares with prepare: the flake both build with, where the
-# GC roots live, and how long a build may run. Same flags, same checks.
-PUBLISH_SHARED = Table([TABLE.by_key[key] for key in ("flake", "state_dir", "build_timeout")])
+# GC roots live, how long a build may run, and the smoke run (which publish
+# writes into the manifest, where it outranks the boxes' own). Same flags,
+# same checks.
+PUBLISH_SHARED = Table([TABLE.by_key[key] for key in ("flake", "state_dir", "build_timeout", "source.smoke")])
 
 
 def make_app(table: Table = TABLE) -> typer.Typer:
@@ -318,7 +320,7 @@ def gpus(
     """Survey the GPUs and print them: NVIDIA through NVML (after CUDA_VISIBLE_DEVICES), AMD from the
     amdgpu driver's KFD topology (after ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES), each numbered
     as its runtime numbers it."""
-    from prepare import gate
+    from prepare import gate, gpu_table
 
     as_json = as_json or _root_json(ctx)
     name = f"{NAME} gpus"
@@ -333,8 +335,8 @@ def gpus(
     if as_json:
         print(json.dumps(survey.to_json()))
     else:
-        print(gate.format_table(survey))
-        health = gate.format_health(survey)
+        print(gpu_table.format_table(survey))
+        health = gpu_table.format_health(survey)
         if health:
             print("\n" + health)
         print_notes(name, survey.notes)
@@ -359,14 +361,6 @@ def publish(
     build: str | None = typer.Option(None, "--build", metavar="CMD", help="Build line (default: the flake's)."),
     args: Annotated[
         list[str] | None, typer.Option("--arg", metavar="ARG", help="An argument of the run, repeatable, in order.")
-    ] = None,
-    smoke: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--smoke",
-            metavar="ARG",
-            help="An argument of the smoke run each box makes of the binary, repeatable (outranks the boxes' own).",
-        ),
     ] = None,
     no_smoke: bool = typer.Option(False, "--no-smoke", help="Write `smoke = []`: the boxes make no smoke run."),
     commit: bool = typer.Option(False, "--commit", help="git: commit the manifest alone on the commit built."),
@@ -393,6 +387,7 @@ def publish(
         raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
     except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
         raise typer.Exit(_report_bug(bug, notes, as_json, name)) from None
+    smoke = None if shared.source is None else shared.source.smoke
     if smoke and no_smoke:
         raise typer.BadParameter("give --smoke ARG to set the smoke run, or --no-smoke to turn it off, not both")
     spec = PublishSpec(
@@ -404,7 +399,7 @@ def publish(
         cwd=cwd,
         build=build,
         args=tuple(args or ()),
-        smoke=() if no_smoke else (tuple(smoke) if smoke else None),
+        smoke=() if no_smoke else smoke,
         flake=shared.flake,
         state_dir=shared.state_dir,
         build_timeout_s=shared.build_timeout_s,

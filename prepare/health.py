@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-# nvml.h values (see prepare.gate for why they are not read off pynvml).
+# nvml.h values (see prepare.nvml for why they are not read off pynvml).
 _NOT_SUPPORTED = 3
 _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15

@@ -33,7 +33,7 @@ from prepare.fail import Fail, permanent
 
 if TYPE_CHECKING:
     from prepare.amd import AmdDevice
-    from prepare.gate import Device, Gpus
+    from prepare.gpus import Device, Gpus
 
 CPU = "cpu"
 AUTO = "auto"

@@ -27,7 +27,7 @@ from nvml_fixtures import (
     pascal_card,
 )
 
-from prepare import gate
+from prepare import gate, gpu_table, nvml
 from prepare.fail import Fail
 from prepare.spec import PrepareSpec
 
@@ -386,9 +386,9 @@ def test_mig_instances_are_only_listed_when_an_entry_asks_for_them():
         return [(MIG_A, 0)]
 
     device = gate.Device(0, "x", default_uuid(0), (9, 0), 1, True, None)
-    assert gate.parse_visible_devices("0", [device], instances) == ((0,), [])
+    assert nvml.parse_visible_devices("0", [device], instances) == ((0,), [])
     assert calls == []
-    assert gate.parse_visible_devices(MIG_A, [device], instances)[0] == (0,)
+    assert nvml.parse_visible_devices(MIG_A, [device], instances)[0] == (0,)
     assert calls == [True]
 
 
@@ -446,7 +446,7 @@ def test_the_table_aligns_its_columns_and_marks_every_status(nvml_box, monkeypat
     )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
     gpus = gate.check(PrepareSpec(), [])
-    table = gate.format_table(gpus)
+    table = gpu_table.format_table(gpus)
     lines = table.splitlines()
     assert lines[0] == "NVIDIA driver 570.86.15, CUDA 12.8"
     header, rows = lines[1], lines[2:5]
@@ -461,7 +461,7 @@ def test_the_table_aligns_its_columns_and_marks_every_status(nvml_box, monkeypat
 
 def test_the_table_of_a_box_with_no_card_says_so():
     gpus = gate.Gpus(driver_version="570.86.15", cuda_driver_version=None, devices=(), offered=())
-    assert gate.format_table(gpus) == "NVIDIA driver 570.86.15, CUDA unknown\nno NVIDIA device"
+    assert gpu_table.format_table(gpus) == "NVIDIA driver 570.86.15, CUDA unknown\nno NVIDIA device"
 
 
 def test_the_json_survey_is_plain_json_with_labels_for_versions(nvml_box):

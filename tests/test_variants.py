@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from prepare.fail import Fail
-from prepare.gate import Device, Gpus
+from prepare.gpus import Device, Gpus
 from prepare.variants import Arch, check_coverage, choose, covers, parse_arch, parse_variants
 
 FLAKE = "path:/srv/fdl"
