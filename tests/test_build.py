@@ -14,6 +14,7 @@ import pytest
 from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, require_nix, trainer, valid_path
 
 from prepare import build as build_mod
+from prepare import nix_urls
 from prepare.fail import Fail
 from prepare.spec import PrepareSpec, SourceSpec
 
@@ -550,7 +551,7 @@ def test_check_flake_url_takes_the_flakes_the_runner_is_given():
         "git+file:///srv/fdl?ref=main&dir=tests/flake",
         "/srv/fdl-prepare",
     ):
-        assert build_mod.check_flake_url(f"  {url} ") == url
+        assert nix_urls.check_flake_url(f"  {url} ") == url
 
 
 # -- the state directory: where it came from ---------------------------------------------
