@@ -38,6 +38,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# The test flake's flat copy, shared with the tests and bench/warm_path.py.
+sys.path.insert(0, str(REPO / "tests"))
+from nix_fixtures import flat_copy  # noqa: E402 - found through the path set just above
 
 NIX_CONFIG = "experimental-features = nix-command flakes\nsubstituters =\ndownload-attempts = 1\n"
 GIT_ENV = {
@@ -46,14 +49,6 @@ GIT_ENV = {
     "GIT_COMMITTER_NAME": "bench",
     "GIT_COMMITTER_EMAIL": "bench@fdl.invalid",
 }
-
-
-def flat_flake(dest: Path) -> str:
-    dest.mkdir(parents=True)
-    for name in ("flake.nix", "toolchain.nix", "flake.lock"):
-        shutil.copy(REPO / "tests" / "flake" / name, dest / name)
-    shutil.copytree(REPO / "nix", dest / "nix", ignore=shutil.ignore_patterns("*.md"))
-    return f"path:{dest}"
 
 
 def git_source(dest: Path, env: dict[str, str]) -> str:
@@ -97,7 +92,7 @@ def main() -> int:
     server = None
     try:
         env = {**os.environ, **GIT_ENV, "NIX_CONFIG": NIX_CONFIG, "PYTHONPATH": str(REPO)}
-        flake = flat_flake(tmp / "flake")
+        flake = f"path:{flat_copy(tmp / 'flake')}"
         build = f"sleep {args.sleep:g}; printf '#!/bin/sh\\necho trained\\n' > train && chmod +x train"
         recipe = ["--source-bin", "train", "--source-build", build]
 

@@ -45,15 +45,7 @@ sys.path.insert(0, str(REPO))
 # The tests' offline configuration, which also lends the test flake's host
 # tools to Nix's build sandbox where it is on (Debian 13).
 sys.path.insert(0, str(REPO / "tests"))
-from nix_fixtures import NIX_CONFIG  # noqa: E402 - found through the path set just above
-
-
-def flat_flake(dest: Path) -> str:
-    dest.mkdir(parents=True)
-    for name in ("flake.nix", "toolchain.nix", "flake.lock"):
-        shutil.copy(REPO / "tests" / "flake" / name, dest / name)
-    shutil.copytree(REPO / "nix", dest / "nix", ignore=shutil.ignore_patterns("*.md"))
-    return f"path:{dest}"
+from nix_fixtures import NIX_CONFIG, flat_copy  # noqa: E402 - found through the path set just above
 
 
 def example_source(dest: Path) -> str:
@@ -254,8 +246,8 @@ def main() -> int:
         env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "HOME": str(tmp / "home")}
         (tmp / "home").mkdir()
         source = example_source(tmp / "source")
-        ordinary = f"git+file://{REPO}?dir=tests/flake" if args.demo else flat_flake(tmp / "flake")
-        heavy = flat_flake(tmp / "heavy")
+        ordinary = f"git+file://{REPO}?dir=tests/flake" if args.demo else f"path:{flat_copy(tmp / 'flake')}"
+        heavy = f"path:{flat_copy(tmp / 'heavy')}"
         (tmp / "heavy" / "heavy.nix").write_text(f"{HEAVY}\n")
         figures = {}
         for name, flake in (("ordinary", ordinary), ("heavy", heavy)):

@@ -332,7 +332,7 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
     elif known is not None and (predicted := _predicted(session, known, gpus)) is not None:
         return predicted
     else:
-        session.variants_raw = _evaluate_variants(session)
+        session.variants_raw = evaluate_variants(session)
     variants = variants_mod.parse_variants(session.variants_raw, flake)
     return variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, flake, session.notes)
 
@@ -379,21 +379,24 @@ def _start_source_fetch(session: Session, known: record_mod.Record | None) -> No
     )
 
 
-def _evaluate_variants(session: Session) -> Any:
+def evaluate_variants(session: Session, setting: str = "flake (--flake)") -> Any:
+    """The flake's `fdl.variants` as Nix prints them, its contract checked:
+    one evaluation, nothing fetched or built. `setting` names where the
+    flake was given, for the messages (publish has only the flag)."""
     flake, system = session.flake, session.system
     session.step("evaluate", f"libtorch variants of {flake}")
     meta = session.nix.eval_json(
         session.fdl,
         apply="fdl: { contract = fdl.contract or null; variants = fdl.variants or null; }",
-        doing=f"evaluating the flake {flake!r} (flake, --flake) for legacyPackages.{system}.fdl",
-        fix=f"point flake (--flake) at a flake that follows the fdl-prepare contract (nix/CONTRACT.md) "
+        doing=f"evaluating the flake {flake!r} ({setting}) for legacyPackages.{system}.fdl",
+        fix=f"point {setting} at a flake that follows the fdl-prepare contract (nix/CONTRACT.md) "
         f"for {system}, or fix this one",
     )
     contract = meta.get("contract") if isinstance(meta, dict) else None
     if contract != CONTRACT:
         raise permanent(
             f"the flake {flake!r} speaks contract {contract!r} (legacyPackages.{system}.fdl.contract), this "
-            f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point flake (--flake) at a matching revision",
+            f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point {setting} at a matching revision",
             reason="flake.contract-mismatch",
         )
     return meta.get("variants")
@@ -519,7 +522,7 @@ def _choose_again(session: Session) -> variants_mod.Variant:
         with contextlib.suppress(ValueError):
             session.notes.remove(note)
     session.gated, session.gated_notes = None, []
-    session.variants_raw = _evaluate_variants(session)
+    session.variants_raw = evaluate_variants(session)
     variants = variants_mod.parse_variants(session.variants_raw, session.flake)
     spec = session.spec
     return variants_mod.choose(spec.libtorch, variants, session.gpus, spec.cpu_only, session.flake, session.notes)

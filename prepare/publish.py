@@ -296,21 +296,7 @@ def _remove_manifest(path: str, notes: list[str]) -> None:
 
 def _flake_variants(session: build_mod.Session) -> dict[str, variants_mod.Variant]:
     """The flake's variants, read as the boxes read them (evaluation only)."""
-    session.step("evaluate", f"libtorch variants of {session.flake}")
-    meta = session.nix.eval_json(
-        session.fdl,
-        apply="fdl: { contract = fdl.contract or null; variants = fdl.variants or null; }",
-        doing=f"evaluating the flake {session.flake!r} (--flake) for legacyPackages.{session.system}.fdl",
-        fix="point --flake at the flake the boxes build with (the fdl-prepare contract, nix/CONTRACT.md)",
-    )
-    contract = meta.get("contract") if isinstance(meta, dict) else None
-    if contract != build_mod.CONTRACT:
-        raise permanent(
-            f"the flake {session.flake!r} speaks contract {contract!r}, this fdl-prepare speaks "
-            f"{build_mod.CONTRACT}: point --flake at a matching revision",
-            reason="flake.contract-mismatch",
-        )
-    return variants_mod.parse_variants(meta.get("variants"), session.flake)
+    return variants_mod.parse_variants(build_mod.evaluate_variants(session, "--flake"), session.flake)
 
 
 def _variant(

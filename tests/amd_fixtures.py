@@ -409,7 +409,8 @@ def _enter(root: Path) -> int:
         os.symlink(target, stage / name)
     os.symlink("/proc/self/fd/2", stage / "stderr")
     # A bound /dev/ptmx finds no devpts beside it; the link does (root only:
-    # pts/ptmx is mode 000), for the ptys the `sh` package opens.
+    # pts/ptmx is mode 000), for the pseudoterminal a Nix build opens for
+    # its builder ("opening pseudoterminal master" without it).
     if os.path.isdir("/dev/pts"):
         os.symlink("pts/ptmx", stage / "ptmx")
     for device in spec["devices"]:

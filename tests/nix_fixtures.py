@@ -112,7 +112,10 @@ def nix_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return dict(os.environ)
 
 
-def _flat_copy(dest: Path) -> Path:
+def flat_copy(dest: Path) -> Path:
+    """A flat copy of the test flake at `dest` (a `path:` flake, no git):
+    its flake.nix, toolchain.nix and lock beside a copy of nix/. The
+    benches use it too."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("flake.nix", "toolchain.nix", "flake.lock"):
         src = REPO / "tests" / "flake" / name
@@ -126,7 +129,7 @@ def _flat_copy(dest: Path) -> Path:
 def test_flake(tmp_path_factory: pytest.TempPathFactory) -> str:
     if not (REPO / "tests" / "flake" / "flake.nix").exists():
         pytest.skip("the test flake (tests/flake/flake.nix) is not in this checkout")
-    return f"path:{_flat_copy(tmp_path_factory.mktemp('flake') / 'flake')}"
+    return f"path:{flat_copy(tmp_path_factory.mktemp('flake') / 'flake')}"
 
 
 @pytest.fixture
@@ -134,7 +137,7 @@ def make_flake(tmp_path: Path) -> Callable[..., str]:
     counter = iter(range(1000))
 
     def make(extra_nix: str | None = None, flake_nix: str | None = None, heavy: int | None = None) -> str:
-        dest = _flat_copy(tmp_path / f"flake{next(counter)}")
+        dest = flat_copy(tmp_path / f"flake{next(counter)}")
         if extra_nix is not None:
             (dest / "extra.nix").write_text(extra_nix)
         if heavy is not None:
