@@ -92,7 +92,11 @@ let
     else
       let
         text = readFile (head toolchainFiles);
-        parsed = if match "[[:space:]]*\\[.*" text != null then fromTOML text else { toolchain.channel = text; };
+        parsed =
+          if match "[[:space:]]*\\[.*" text != null then
+            fromTOML text
+          else
+            { toolchain.channel = text; };
         channel = (parsed.toolchain or { }).channel or null;
       in
       if isString channel then head (filter isString (split "[[:space:]]" channel)) else null;
@@ -133,9 +137,13 @@ rec {
       fail "`cwd` = ${quote here} is a virtual workspace root (no [package]): a CUDA build turns on the crate's `cuda` feature, so set `cwd` to the crate that builds `bin`"
     else if cuda && !(manifest ? features && manifest.features ? cuda) then
       fail "the crate ${quote pname} in `cwd` = ${quote here} has no cargo feature `cuda`, which a CUDA variant builds with (`--features cuda`, as floDl's own build lines do): add `cuda = [\"flodl/cuda\"]` under [features] in its Cargo.toml"
-    else if rustc != null && isString rustVersion && versionOk rustVersion && compareVersions rustc rustVersion < 0 then
+    else if
+      rustc != null && isString rustVersion && versionOk rustVersion && compareVersions rustc rustVersion < 0
+    then
       fail "the crate ${quote pname} declares rust-version = ${quote rustVersion}, and this flake builds with rustc ${rustc}: lower rust-version, or point `flake` at a flake whose nixpkgs has a newer Rust"
-    else if rustc != null && channel != null && versionOk channel && compareVersions rustc channel < 0 then
+    else if
+      rustc != null && channel != null && versionOk channel && compareVersions rustc channel < 0
+    then
       fail "the training source's rust-toolchain file asks for Rust ${channel}, and this flake builds with rustc ${rustc} (toolchain files are read, not installed: a flake cannot fetch a toolchain without --impure): lower the channel, or point `flake` at a flake whose nixpkgs has a newer Rust"
     else if rustc != null && channel != null && match "(nightly|beta).*" channel != null then
       fail "the training source's rust-toolchain file asks for Rust ${quote channel}, and this flake builds with the stable rustc ${rustc}: pin a stable version (channel = \"1.88\" or later) or drop the file"

@@ -58,7 +58,8 @@ let
     let
       name = "cudaPackages_" + lib.replaceStrings [ "." ] [ "_" ] cuda;
     in
-    pkgs.${name} or (throw "fdl-prepare flake: a variant is built for CUDA ${cuda}, and this nixpkgs has no ${name}: pin a nixpkgs that has it, or drop the variant");
+    pkgs.${name}
+      or (throw "fdl-prepare flake: a variant is built for CUDA ${cuda}, and this nixpkgs has no ${name}: pin a nixpkgs that has it, or drop the variant");
 
   # floDl's crates are edition 2024 and use let-chains: rustc 1.88 or later.
   rustc = pkgs.rustc;

@@ -37,7 +37,14 @@ let
         nccl = "${lib.getLib cudaPackages.nccl}/lib";
       };
 
-  env = if libtorch == null then null else import ./training-env.nix { inherit libtorch; cuda = cudaParts; };
+  env =
+    if libtorch == null then
+      null
+    else
+      import ./training-env.nix {
+        inherit libtorch;
+        cuda = cudaParts;
+      };
   features = if env == null then [ ] else env.features;
 
   # A bare name is looked up where cargo leaves release binaries (the

@@ -399,11 +399,12 @@ def test_the_production_flake_reads_its_variants_without_importing_nixpkgs(env, 
     assert got == shared
 
 
-# nixpkgs as nixos-25.05 at the pinned revision, recorded the way `nix flake
-# lock` records it; used only where the repository has no flake.lock yet.
+# nixpkgs as nixos-25.11 at the pinned revision, recorded the way `nix flake
+# lock` records it (these values, as flake.lock files that pin the same
+# revision record them); used only where the repository has no flake.lock yet.
 NIXPKGS_LOCK = {
-    "lastModified": 1758346548,
-    "narHash": "sha256-afXE7AJ7MY6wY1pg/Y6UPHNYPy5GtUKeBkrZZ/gC71E=",
+    "lastModified": 1778430510,
+    "narHash": "sha256-Ti+ZBvW6yrWWAg2szExVTwCd4qOJ3KlVr1tFHfyfi8Q=",
     "owner": "NixOS",
     "repo": "nixpkgs",
     "type": "github",

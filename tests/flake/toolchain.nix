@@ -244,7 +244,14 @@ in
     let
       crate = import (nixDir + "/cargo.nix") { inherit src cwd; };
       cudaParts = if cuda == null then null else cudaStandIn cuda;
-      env = if libtorch == null then null else import (nixDir + "/training-env.nix") { inherit libtorch; cuda = cudaParts; };
+      env =
+        if libtorch == null then
+          null
+        else
+          import (nixDir + "/training-env.nix") {
+            inherit libtorch;
+            cuda = cudaParts;
+          };
       useCargo = build == null;
       checked = if useCargo then crate.check { cuda = cuda != null; } else true;
       ldflags =
@@ -283,7 +290,10 @@ in
               if builtins.match ".*/.*" bin != null then [ "${crate.cwd}/${bin}" ] else crate.binCandidates bin
             );
             cargoFeatures =
-              if env == null || env.features == [ ] then "" else "--features ${builtins.concatStringsSep "," env.features}";
+              if env == null || env.features == [ ] then
+                ""
+              else
+                "--features ${builtins.concatStringsSep "," env.features}";
           }
         else
           { }
