@@ -202,13 +202,11 @@ let
       fi
     else
       cd "$work/$cwd"
-      if [ "$hasBuild" = 1 ]; then
-        /bin/sh -c "$build" || {
-          rc=$?
-          echo "fdl-prepare test flake: the build line exited $rc" >&2
-          exit "$rc"
-        }
-      fi
+      /bin/sh -c "$build" || {
+        rc=$?
+        echo "fdl-prepare test flake: the build line exited $rc" >&2
+        exit "$rc"
+      }
       if [ ! -f "$bin" ]; then
         echo "fdl-prepare test flake: the build produced no file '$bin' in '$cwd'; set bin in .fdl-run.toml or source.bin" >&2
         exit 1
@@ -272,7 +270,6 @@ in
           ldWrapper
           ;
         binName = baseNameOf bin;
-        hasBuild = if build == null then "0" else "1";
         build = if build == null then "" else build;
         cargo = if useCargo then "1" else "0";
         builder = sh;
