@@ -2,16 +2,18 @@
   description = "fdl-prepare: a pinned libtorch and the training binary, built for a GPU box before it dials";
 
   inputs = {
-    # Pinned by revision in the URL: nixos-25.05 as of 2025-09-20. There is
-    # no flake.lock in the repository yet (it was written offline); the first
-    # online run does `nix flake lock` and commits the lock file, which adds
-    # the narHash. Without it, every evaluation on a box re-fetches nixpkgs to
-    # lock it, and a box without internet cannot evaluate at all.
+    # Pinned by revision in the URL: nixos-25.11 as of 2026-05-10, for a
+    # Rust new enough for floDl's crates (edition 2024, let-chains: rustc
+    # 1.88 or later; nixos-25.05 had 1.86). nix/nixpkgs.nix refuses, at
+    # evaluation, a nixpkgs whose rustc is older. There is no flake.lock in
+    # the repository yet (it was written offline); the first online run does
+    # `nix flake lock` and commits the lock file, which adds the narHash.
+    # Without it, every evaluation on a box re-fetches nixpkgs to lock it,
+    # and a box without internet cannot evaluate at all.
     #
-    # libtorch is NOT taken as this nixpkgs ships it (libtorch-bin 2.5.0 with
-    # CUDA 12.4): nix/nixpkgs.nix pins 2.7.0 (cpu and cu128) on top of
-    # nixpkgs' own libtorch-bin recipe, and says why.
-    nixpkgs.url = "github:NixOS/nixpkgs/b2a3852bd078e68dd2b3dfa8c00c67af1f0a7d20";
+    # libtorch is NOT taken as this nixpkgs ships it: nix/nixpkgs.nix pins
+    # its archives on top of nixpkgs' own libtorch-bin recipe, and says why.
+    nixpkgs.url = "github:NixOS/nixpkgs/8fd9daa3db09ced9700431c5b7ad0e8ba199b575";
 
     # The training source tree and the directory holding recipe.json. Both
     # default to this flake itself (there is no recipe.json here, so
@@ -49,7 +51,25 @@
           }) systems
         );
 
-      pkgsFor = system: import nixpkgs { inherit system; };
+      # The unfree packages a CUDA training build needs, and no others: the
+      # CUDA runtime (headers and libcudart, CUDA_HOME) and what nixpkgs
+      # builds NCCL with (cuda_nvcc, cuda_cccl). libtorch-bin itself is
+      # BSD-3; a package not named here is still refused, by nixpkgs' own
+      # message.
+      unfree = [
+        "cuda_cudart"
+        "cuda_nvcc"
+        "cuda_cccl"
+      ];
+      # lib.getName, in builtins: reading nixpkgs' lib here would fetch it.
+      nameOf = pkg: pkg.pname or (builtins.parseDrvName pkg.name).name;
+      config.allowUnfreePredicate = pkg: builtins.elem (nameOf pkg) unfree;
+
+      # One nixpkgs per system, shared by everything below: each
+      # `import nixpkgs` is a new instantiation (seconds, and memory), and
+      # Nix does not share them between calls.
+      pkgsBySystem = forSystems (system: import nixpkgs { inherit system config; });
+      pkgsFor = system: pkgsBySystem.${system};
 
       # A downstream flake's way to add a variant without touching this
       # repository or the Python side (nix/CONTRACT.md, "Adding a variant").

@@ -92,7 +92,7 @@ def main() -> int:
     server = None
     try:
         env = {**os.environ, **GIT_ENV, "NIX_CONFIG": NIX_CONFIG, "PYTHONPATH": str(REPO)}
-        flake = f"path:{flat_copy(tmp / 'flake')}"
+        flake = f"path:{flat_copy(tmp / 'flake', stand_in=True)}"
         build = f"sleep {args.sleep:g}; printf '#!/bin/sh\\necho trained\\n' > train && chmod +x train"
         recipe = ["--source-bin", "train", "--source-build", build]
 

@@ -185,6 +185,9 @@ let
       inherit (r) cwd build bin;
       variant = r.libtorch;
       libtorch = if r.libtorch == null then null else libtorch.${r.libtorch};
+      # The variant's CUDA version ("12.8") or null: a CUDA build turns on
+      # the crate's `cuda` feature and gets CUDA_HOME and NCCL.
+      cuda = if r.libtorch == null then null else variants.${r.libtorch}.cuda;
     };
 in
 {

@@ -1,6 +1,17 @@
 # The training binary, built by cargo through nixpkgs' rustPlatform against
-# one libtorch. Called by nix/contract.nix with the recipe already checked.
-{ lib, rustPlatform }:
+# one libtorch, the way floDl's crates expect to be built (nix/CONTRACT.md,
+# "floDl's build contract"). Called by nix/contract.nix with the recipe
+# already checked. What can be decided without nixpkgs (where Cargo.lock is,
+# the refusals, the environment and the roots) lives in nix/cargo.nix and
+# nix/training-env.nix, which the test flake's real builds share.
+{
+  lib,
+  rustPlatform,
+  rustc,
+  autoAddDriverRunpath,
+  # CUDA version ("12.8") -> { cudaPackages; } of that version: nix/nixpkgs.nix.
+  cudaFor,
+}:
 {
   src,
   cwd,
@@ -8,57 +19,74 @@
   bin,
   libtorch,
   variant,
+  cuda ? null,
   ...
 }:
 let
-  root = if cwd == "." then "${src}" else "${src}/${cwd}";
+  crate = import ./cargo.nix { inherit src cwd; };
 
-  cargoToml = builtins.fromTOML (builtins.readFile "${root}/Cargo.toml");
-  package = cargoToml.package or { };
-  # A workspace root has no [package]; a member may inherit its version
-  # from the workspace (`version.workspace = true`). Neither stops a build.
-  pname = if builtins.isString (package.name or null) then package.name else "fdl-training";
-  version = if builtins.isString (package.version or null) then package.version else "0";
-
-  binName = baseNameOf bin;
-
-  # A bare name is looked up where cargo leaves release binaries (with and
-  # without an explicit --target); a path is taken relative to `cwd`. Shell
-  # words: the name is quoted, the `*` is left to the shell.
-  quotedBin = lib.escapeShellArg bin;
-  searched =
-    if lib.hasInfix "/" bin then
-      [ bin ]
+  cudaPackages = if cuda == null then null else cudaFor cuda;
+  cudaParts =
+    if cuda == null then
+      null
     else
-      [
-        "target/release/${bin}"
-        "target/*/release/${bin}"
-      ];
-  candidates =
-    if lib.hasInfix "/" bin then
-      [ quotedBin ]
+      {
+        version = cuda;
+        include = "${lib.getInclude cudaPackages.cuda_cudart}/include";
+        lib = "${lib.getLib cudaPackages.cuda_cudart}/lib";
+        nccl = "${lib.getLib cudaPackages.nccl}/lib";
+      };
+
+  env =
+    if libtorch == null then
+      null
     else
-      [
-        "target/release/${quotedBin}"
-        "target/*/release/${quotedBin}"
-      ];
+      import ./training-env.nix {
+        inherit libtorch;
+        cuda = cudaParts;
+      };
+  features = if env == null then [ ] else env.features;
+
+  # A bare name is looked up where cargo leaves release binaries (the
+  # workspace's target/, with and without an explicit --target); a path is
+  # taken relative to `cwd`. Both relative to the source root, where the
+  # install phase runs. Shell words: each part is quoted, the `*` between
+  # them left to the shell.
+  isPath = lib.hasInfix "/" bin;
+  searched = if isPath then [ "${crate.cwd}/${bin}" ] else crate.binCandidates bin;
+  shellGlob = c: lib.concatStringsSep "*" (map lib.escapeShellArg (lib.splitString "*" c));
+  candidates = if isPath then map lib.escapeShellArg searched else map shellGlob searched;
+
+  inSubdir = crate.cwd != ".";
+  lockInSubdir = crate.lockDir != ".";
 in
+# A build line decides its own features; cargo's default build turns on `cuda`.
+assert crate.check {
+  rustc = rustc.version;
+  cuda = cuda != null && build == null;
+};
 rustPlatform.buildRustPackage (
   {
-    pname = "${pname}-${if variant == null then "notorch" else variant}";
-    inherit version;
-    src = root;
+    pname = "${crate.pname}-${if variant == null then "notorch" else variant}";
+    inherit (crate) version;
+    # The whole tree: `cwd` may be a workspace member, or a crate whose path
+    # dependencies (`../flodl`) live beside it.
+    inherit src;
 
     # Git dependencies are fetched by the commit Cargo.lock names, so no
     # per-repository hash table has to live in this flake.
     cargoLock = {
-      lockFile = "${root}/Cargo.lock";
+      inherit (crate) lockFile;
       allowBuiltinFetchGit = true;
     };
 
     # The training code's own tests are the publisher's business, and they
     # would run on a box that has no GPU visible to the build.
     doCheck = false;
+
+    buildFeatures = features;
+
+    preBuild = lib.optionalString (env != null) env.roots;
 
     # Install the recipe's binary only: a workspace may build helpers the run
     # never starts, and a missing `bin` must fail here, loudly, not at launch.
@@ -70,27 +98,39 @@ rustPlatform.buildRustPackage (
       done
       if [ -z "$found" ]; then
         echo ${
-          lib.escapeShellArg "fdl-prepare: the build produced no executable `${bin}` (looked in ${lib.concatStringsSep ", " searched} under `${cwd}`);"
+          lib.escapeShellArg "fdl-prepare: the build produced no executable `${bin}` (looked in ${lib.concatStringsSep ", " searched});"
         } >&2
         echo "fdl-prepare: set \`bin\` in .fdl-run.toml or source.bin to a binary this build makes" >&2
         exit 1
       fi
-      install -Dm755 "$found" "$out/bin/"${lib.escapeShellArg binName}
+      install -Dm755 "$found" "$out/bin/"${lib.escapeShellArg (baseNameOf bin)}
       runHook postInstall
     '';
   }
-  # torch-sys appends /lib and /include to these itself.
-  // lib.optionalAttrs (libtorch != null) {
-    LIBTORCH = "${libtorch.out}";
-    LIBTORCH_LIB = "${libtorch.out}";
-    LIBTORCH_INCLUDE = "${libtorch.dev}";
+  // lib.optionalAttrs inSubdir { buildAndTestSubdir = crate.cwd; }
+  # cargoSetupHook compares the vendored lock with the source's, found here.
+  // lib.optionalAttrs lockInSubdir { cargoRoot = crate.lockDir; }
+  // lib.optionalAttrs (env != null) { inherit (env) env; }
+  // lib.optionalAttrs (cuda != null) {
+    # cudart and NCCL to link (and NCCL's headers, which floDl's shim
+    # includes); the driver directory on the RUNPATH after the build, where
+    # libcuda.so.1 and the libnvidia-ml.so.1 floDl dlopens are found.
+    buildInputs = [
+      cudaPackages.cuda_cudart
+      cudaPackages.nccl
+    ];
+    nativeBuildInputs = [ autoAddDriverRunpath ];
   }
-  # A recipe with its own build line replaces cargo's default build; the
-  # vendored, offline cargo config from cargoSetupHook is already in place.
+  # A recipe with its own build line replaces cargo's default build, in
+  # `cwd`; the vendored, offline cargo config from cargoSetupHook and the
+  # environment above are already in place.
   // lib.optionalAttrs (build != null) {
     buildPhase = ''
       runHook preBuild
-      ${build}
+      (
+        cd ${lib.escapeShellArg crate.cwd}
+        ${build}
+      )
       runHook postBuild
     '';
   }

@@ -34,6 +34,7 @@ from prepare.spec import Binary
 DEFAULT_TIMEOUT_S = 60.0
 # Enough of the end of the output to show why; the start is usually banners.
 LAST_LINES = 20
+LAST_LINE_CHARS = 300
 
 # What glibc's loader (and musl's) says when it cannot start a program:
 # "error while loading shared libraries: libcuda.so.1: cannot open shared
@@ -70,7 +71,10 @@ def run(binary: Binary, args: Sequence[str], timeout_s: float, notes: list[str])
         ) from None
     seconds = time.monotonic() - started
     if done.ok:
-        notes.append(f"smoke run {shown} passed in {seconds:.2f}s")
+        # The binary's own last word (a training step's loss, say) is the
+        # evidence; one line, bounded, is enough to show it.
+        said = next((line.strip() for line in reversed(done.stdout.splitlines()) if line.strip()), "")
+        notes.append(f"smoke run {shown} passed in {seconds:.2f}s" + (f": {said[:LAST_LINE_CHARS]}" if said else ""))
         return
     raise _failed(shown, done, binary)
 

@@ -9,14 +9,21 @@ on cache.nixos.org; no retries on failed downloads) and returns the
 environment a child process should get.
 
 `test_flake` (session) -> str: `path:<dir>` of a flat copy of tests/flake
-(flake.nix, toolchain.nix, flake.lock, nix/ beside them). Variants `cpu`,
-`cu128`, and the ROCm stand-ins `rocm6.4`, `rocm7.0`.
+(flake.nix, toolchain.nix, flake.lock, nix/ beside them) whose libtorch
+variants are all /bin/sh stand-ins (a stand-in.nix beside it): fast, for
+everything that exercises variant logic, the runner or the recipe. Variants
+`cpu`, `cu128`, and the ROCm stand-ins `rocm6.4`, `rocm7.0`.
 
-`make_flake` (function) -> `(extra_nix=None, flake_nix=None, heavy=None) -> str`:
-a fresh flat copy, with `extra.nix` (a function toolchain -> variants), a
-replaced flake.nix, and/or `heavy.nix` (the size of the attribute set the
-flake generates before `fdl`: 600000 costs about 1.3 s of evaluation here),
-as `path:<dir>`.
+`torch_flake` (session) -> str: the same, with the real libtorch as `cpu`
+(PyTorch's CPU wheel, unpacked: about 5 s once per store); skips, naming
+why, where the wheel is neither in the store nor fetchable.
+`require_torch_wheel()` is that check on its own.
+
+`make_flake` (function) -> `(extra_nix=None, flake_nix=None, heavy=None, real=False) -> str`:
+a fresh flat copy (stand-ins; `real=True`: the real cpu libtorch), with
+`extra.nix` (a function toolchain -> variants), a replaced flake.nix, and/or
+`heavy.nix` (the size of the attribute set the flake generates before `fdl`:
+600000 costs about 1.3 s of evaluation here), as `path:<dir>`.
 
 `git_source` (function) -> `(files) -> GitSource`: a git repository on
 branch `main` with `files` ({relative path: text}) committed.
@@ -50,6 +57,7 @@ line contains `text`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -67,15 +75,17 @@ REPO = Path(__file__).resolve().parent.parent
 def sandbox_paths() -> str:
     """What the test flake's builders need from the host inside Nix's build
     sandbox (tests/flake/toolchain.nix): a shell, /usr's tools and the
-    dynamic loader and libraries they link. On a merged-/usr system /bin,
-    /lib and /lib64 are links into /usr; elsewhere /bin is lent whole."""
+    dynamic loader and libraries they link, and /etc/alternatives, where
+    Debian's cc and c++ point (the example trainer is compiled with them).
+    On a merged-/usr system /bin, /lib and /lib64 are links into /usr;
+    elsewhere /bin is lent whole."""
     paths = []
     if os.path.islink("/bin"):
         paths.append(f"/bin/sh={os.path.realpath('/bin/sh')}")
     else:
         paths.append("/bin")
     paths.append("/usr")
-    paths += [p for p in ("/lib", "/lib64") if os.path.lexists(p)]
+    paths += [p for p in ("/lib", "/lib64", "/etc/alternatives") if os.path.lexists(p)]
     return " ".join(paths)
 
 
@@ -112,32 +122,104 @@ def nix_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return dict(os.environ)
 
 
-def flat_copy(dest: Path) -> Path:
+def flat_copy(dest: Path, *, stand_in: bool = False) -> Path:
     """A flat copy of the test flake at `dest` (a `path:` flake, no git):
-    its flake.nix, toolchain.nix and lock beside a copy of nix/. The
-    benches use it too."""
+    its flake.nix, toolchain.nix and lock beside a copy of nix/. Its cpu
+    variant is the real libtorch, or with `stand_in` the /bin/sh stand-in
+    (a stand-in.nix beside the flake). The benches use it too."""
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("flake.nix", "toolchain.nix", "flake.lock"):
         src = REPO / "tests" / "flake" / name
         if src.exists():
             shutil.copy(src, dest / name)
     shutil.copytree(REPO / "nix", dest / "nix", ignore=shutil.ignore_patterns("*.md"))
+    if stand_in:
+        (dest / "stand-in.nix").write_text("true\n")
     return dest
+
+
+def _require_test_flake() -> None:
+    if not (REPO / "tests" / "flake" / "flake.nix").exists():
+        pytest.skip("the test flake (tests/flake/flake.nix) is not in this checkout")
 
 
 @pytest.fixture(scope="session")
 def test_flake(tmp_path_factory: pytest.TempPathFactory) -> str:
-    if not (REPO / "tests" / "flake" / "flake.nix").exists():
-        pytest.skip("the test flake (tests/flake/flake.nix) is not in this checkout")
-    return f"path:{flat_copy(tmp_path_factory.mktemp('flake') / 'flake')}"
+    _require_test_flake()
+    return f"path:{flat_copy(tmp_path_factory.mktemp('flake') / 'flake', stand_in=True)}"
+
+
+def _toolchain_expr(attr: str) -> str:
+    """A Nix expression for an attribute of the test flake's toolchain."""
+    toolchain = json.dumps(str(REPO / "tests" / "flake" / "toolchain.nix"))
+    nix_dir = json.dumps(str(REPO / "nix"))
+    return f'(import (/. + {toolchain}) {{ system = "{nix_system()}"; nixDir = /. + {nix_dir}; }}).{attr}'
+
+
+def torch_wheel_path() -> str:
+    """The store path of PyTorch's CPU wheel as the test flake fetches it."""
+    expr = _toolchain_expr("torchWheel.outPath")
+    done = subprocess.run(
+        ["nix-instantiate", "--eval", "--json", "--expr", expr], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return str(json.loads(done.stdout))
+
+
+def nix_system() -> str:
+    return {"x86_64": "x86_64-linux", "aarch64": "aarch64-linux"}.get(os.uname().machine, "x86_64-linux")
+
+
+_WHEEL_MISSING: list[str] = []
+
+
+def require_torch_wheel() -> str:
+    """Skips unless PyTorch's CPU wheel is in the store or can be fetched
+    into it: scripts/setup adds it where pip can get it, and a box that can
+    reach download.pytorch.org fetches it. Asked once per session."""
+    require_nix()
+    if os.uname().machine != "x86_64":
+        pytest.skip(f"the real libtorch is PyTorch's x86_64 CPU wheel; this machine is {os.uname().machine}")
+    if _WHEEL_MISSING:
+        pytest.skip(_WHEEL_MISSING[0])
+    wheel = torch_wheel_path()
+    if valid_path(wheel):
+        return wheel
+    expr = _toolchain_expr("torchWheel")
+    env = {**os.environ, "NIX_CONFIG": NIX_CONFIG}
+    done = subprocess.run(
+        ["nix-build", "--no-out-link", "--expr", expr], capture_output=True, text=True, env=env, timeout=1800
+    )
+    if done.returncode != 0 or not valid_path(wheel):
+        said = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[-300:])
+        _WHEEL_MISSING.append(
+            f"PyTorch's CPU wheel ({wheel}) is not in the Nix store and could not be fetched ({said}): "
+            "run scripts/setup on a box whose pip can get torch==2.13.0+cpu, or give it access to "
+            "download.pytorch.org"
+        )
+        pytest.skip(_WHEEL_MISSING[0])
+    return wheel
+
+
+@pytest.fixture(scope="session")
+def torch_flake(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`path:<dir>` of a flat copy of the test flake whose cpu variant is the
+    real libtorch (PyTorch's CPU wheel); skips, naming why, without it."""
+    _require_test_flake()
+    require_torch_wheel()
+    return f"path:{flat_copy(tmp_path_factory.mktemp('torch-flake') / 'flake')}"
 
 
 @pytest.fixture
 def make_flake(tmp_path: Path) -> Callable[..., str]:
     counter = iter(range(1000))
 
-    def make(extra_nix: str | None = None, flake_nix: str | None = None, heavy: int | None = None) -> str:
-        dest = flat_copy(tmp_path / f"flake{next(counter)}")
+    def make(
+        extra_nix: str | None = None, flake_nix: str | None = None, heavy: int | None = None, real: bool = False
+    ) -> str:
+        if real:
+            require_torch_wheel()
+        dest = flat_copy(tmp_path / f"flake{next(counter)}", stand_in=not real)
         if extra_nix is not None:
             (dest / "extra.nix").write_text(extra_nix)
         if heavy is not None:

@@ -79,7 +79,7 @@ def overrides(source: str, recipe: str) -> list[str]:
 
 def example_recipe() -> dict[str, object]:
     manifest = tomllib.loads((EXAMPLE / ".fdl-run.toml").read_text())
-    return {"libtorch": "cpu", **{key: manifest[key] for key in ("cwd", "build", "bin")}}
+    return {"libtorch": "cpu", **{key: manifest.get(key) for key in ("cwd", "build", "bin")}}
 
 
 def build_events(stderr: str) -> list[dict]:
@@ -231,50 +231,6 @@ def test_the_flake_reports_the_recipe_with_its_defaults_filled_in(env, test_flak
 # --- builds -----------------------------------------------------------------
 
 
-def test_the_example_trainer_builds_and_its_binary_runs(env, test_flake, tmp_path):
-    recipe = write_recipe(tmp_path / "recipe", **example_recipe())
-    link = tmp_path / "gcroots" / "run"
-
-    built = nix_json(
-        env,
-        "build",
-        "--out-link",
-        str(link),
-        f"{test_flake}#{FDL}.libtorch.cpu",
-        f"{test_flake}#{FDL}.training",
-        *overrides(prefetch(env, EXAMPLE), recipe),
-    )
-    libtorch, training = (entry["outputs"]["out"] for entry in built)
-    ran = subprocess.run([f"{training}/bin/train", "--epochs", "1"], capture_output=True, text=True, timeout=10)
-
-    assert ran.returncode == 0, ran.stderr
-    assert f"built against libtorch 'cpu' at {libtorch}" in ran.stdout
-    assert "args: --epochs 1" in ran.stdout
-    assert os.readlink(link) == libtorch and os.readlink(f"{link}-1") == training
-    assert (Path(libtorch) / "lib").is_dir()
-
-
-def test_a_second_build_with_nothing_changed_builds_nothing(env, test_flake, tmp_path):
-    recipe = write_recipe(tmp_path / "recipe", **example_recipe())
-    args = [
-        "build",
-        "--json",
-        "--no-link",
-        "--log-format",
-        "internal-json",
-        f"{test_flake}#{FDL}.training",
-        *overrides(prefetch(env, EXAMPLE), recipe),
-    ]
-
-    first = nix(env, *args)
-    second = nix(env, *args)
-
-    assert first.returncode == 0 and second.returncode == 0, second.stderr
-    assert json.loads(first.stdout) == json.loads(second.stdout)
-    started = [e for e in build_events(second.stderr) if e.get("action") == "start" and e.get("type") in (101, 105)]
-    assert started == []
-
-
 def _training_drv(env: dict[str, str], flake: str, tree: Path, recipe: str) -> str:
     done = nix_json(env, "eval", f"{flake}#{FDL}.training.drvPath", *overrides(prefetch(env, tree), recipe))
     assert isinstance(done, str)
@@ -370,11 +326,13 @@ def test_a_layout_preserving_copy_referenced_as_path_says_how_to_reference_it(en
 def test_the_example_manifest_parses_with_every_field_typed():
     manifest = tomllib.loads((EXAMPLE / ".fdl-run.toml").read_text())
 
-    assert set(manifest) == {"bin", "cwd", "build", "args", "run", "built", "published_epoch", "origin"}
+    # No `build`: the flake builds the crate as it builds any floDl one.
+    assert set(manifest) == {"bin", "cwd", "args", "smoke", "run", "built", "published_epoch", "origin"}
     assert isinstance(manifest["bin"], str) and manifest["bin"]
     assert isinstance(manifest["cwd"], str) and (EXAMPLE / manifest["cwd"]).is_dir()
-    assert isinstance(manifest["build"], str)
+    assert (EXAMPLE / manifest["cwd"] / "Cargo.lock").is_file()
     assert isinstance(manifest["args"], list) and all(isinstance(a, str) for a in manifest["args"])
+    assert manifest["smoke"] == ["--smoke"]
     assert isinstance(manifest["run"], str) and manifest["run"]
     assert isinstance(manifest["built"], bool)
     assert isinstance(manifest["published_epoch"], int) and not isinstance(manifest["published_epoch"], bool)
@@ -441,11 +399,12 @@ def test_the_production_flake_reads_its_variants_without_importing_nixpkgs(env, 
     assert got == shared
 
 
-# nixpkgs as nixos-25.05 at the pinned revision, recorded the way `nix flake
-# lock` records it; used only where the repository has no flake.lock yet.
+# nixpkgs as nixos-25.11 at the pinned revision, recorded the way `nix flake
+# lock` records it (these values, as flake.lock files that pin the same
+# revision record them); used only where the repository has no flake.lock yet.
 NIXPKGS_LOCK = {
-    "lastModified": 1758346548,
-    "narHash": "sha256-afXE7AJ7MY6wY1pg/Y6UPHNYPy5GtUKeBkrZZ/gC71E=",
+    "lastModified": 1778430510,
+    "narHash": "sha256-Ti+ZBvW6yrWWAg2szExVTwCd4qOJ3KlVr1tFHfyfi8Q=",
     "owner": "NixOS",
     "repo": "nixpkgs",
     "type": "github",
@@ -521,38 +480,220 @@ def test_the_production_libtorch_is_2_7_0_from_pytorchs_archives(env, production
     assert cu128["url"].endswith("/cu128/libtorch-cxx11-abi-shared-with-deps-2.7.0%2Bcu128.zip")
 
 
-def test_the_production_training_build_gets_libtorch_out_and_dev(env, production, nixpkgs, tmp_path):
-    crate = tmp_path / "source" / "crates" / "train"
-    crate.mkdir(parents=True)
-    (crate / "Cargo.toml").write_text('[package]\nname = "trainer"\nversion = "0.3.1"\n')
-    (crate / "Cargo.lock").write_text("version = 3\n")
-    recipe = write_recipe(tmp_path / "recipe", libtorch="cu128", cwd="crates/train", build=None, bin="train")
-    common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, tmp_path / "source"), recipe)]
+def workspace(root: Path, *, features: str = "", lock: bool = True, extra: str = "") -> Path:
+    """A floDl-shaped source: a workspace whose member crates/train depends
+    on a sibling by path and inherits its version from the root."""
+    (root / "crates" / "train").mkdir(parents=True)
+    (root / "crates" / "util").mkdir(parents=True)
+    (root / "Cargo.toml").write_text(
+        '[workspace]\nmembers = ["crates/train", "crates/util"]\n[workspace.package]\nversion = "0.3.1"\n'
+    )
+    (root / "crates" / "train" / "Cargo.toml").write_text(
+        '[package]\nname = "trainer"\nversion.workspace = true\n'
+        f'{extra}[dependencies]\nutil = {{ path = "../util" }}\n[features]\n{features}'
+    )
+    (root / "crates" / "util" / "Cargo.toml").write_text('[package]\nname = "util"\nversion = "0.1.0"\n')
+    if lock:
+        (root / "Cargo.lock").write_text("version = 3\n")
+    return root
 
-    training = nix_json(
+
+PRODUCTION_TRAINING = (
+    "t: { inherit (t) pname version src env doCheck builtWith buildFeatures preBuild; lock = t.cargoLock.lockFile;"
+    " subdir = t.buildAndTestSubdir or null; cargoRoot = t.cargoRoot or null;"
+    " buildInputs = map toString (t.buildInputs or [ ]); nativeBuildInputs = map toString (t.nativeBuildInputs or [ ]); }"
+)
+
+
+def production_training(env, production, nixpkgs, tmp_path, tree: Path, **recipe: object) -> dict:
+    recipe_ref = write_recipe(tmp_path / "recipe", **{"bin": "train", "build": None, **recipe})
+    common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, tree), recipe_ref)]
+    got = nix_json(env, "eval", f"{production}#{FDL}.training", "--apply", PRODUCTION_TRAINING, *common)
+    assert isinstance(got, dict)
+    return got
+
+
+def production_refusal(env, production, nixpkgs, tmp_path, tree: Path, **recipe: object) -> str:
+    recipe_ref = write_recipe(tmp_path / "recipe", **{"bin": "train", "build": None, **recipe})
+    common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, tree), recipe_ref)]
+    done = nix(env, "eval", "--json", f"{production}#{FDL}.training.drvPath", *common)
+    assert done.returncode != 0, done.stdout
+    return done.stderr
+
+
+def test_the_production_training_build_sets_libtorch_path_and_builds_the_member_from_the_whole_tree(
+    env, production, nixpkgs, tmp_path
+):
+    tree = workspace(tmp_path / "source")
+
+    training = production_training(env, production, nixpkgs, tmp_path, tree, libtorch="cpu", cwd="crates/train")
+    libtorch = nix_json(
+        env,
+        "eval",
+        f"{production}#{FDL}.libtorch.cpu",
+        "--apply",
+        "d: { out = d.out.outPath; dev = d.dev.outPath; }",
+        "--no-write-lock-file",
+        "--override-input",
+        "nixpkgs",
+        nixpkgs,
+    )
+
+    assert training["builtWith"] == "buildRustPackage"
+    # floDl's LIBTORCH_PATH: one root, made in the build directory from
+    # libtorch's two outputs, so nothing in the output can refer to it.
+    assert 'fdl_roots="$NIX_BUILD_TOP/fdl-roots"' in training["preBuild"]
+    assert 'export LIBTORCH_PATH="$fdl_roots/libtorch"' in training["preBuild"]
+    assert f"ln -sfn '{libtorch['out']}/lib' \"$fdl_roots/libtorch/lib\"" in training["preBuild"]
+    assert f"ln -sfn '{libtorch['dev']}/include' \"$fdl_roots/libtorch/include\"" in training["preBuild"]
+    # ... and the RUNPATH at libtorch's lib/ in the store, which the
+    # ld-wrapper would not add for a -L outside it.
+    assert training["env"]["NIX_LDFLAGS"] == f"-rpath {libtorch['out']}/lib"
+    # tch-rs' variables stay for sources built on tch.
+    assert training["env"]["LIBTORCH"] == training["env"]["LIBTORCH_LIB"] == libtorch["out"]
+    assert training["env"]["LIBTORCH_INCLUDE"] == libtorch["dev"]
+    # The whole tree, the member picked by cwd, the lock from the workspace root.
+    assert training["src"].endswith("-fdl-training-source")
+    assert training["subdir"] == "crates/train" and training["cargoRoot"] is None
+    assert training["lock"] == training["src"] + "/Cargo.lock"
+    assert (training["pname"], training["version"], training["doCheck"]) == ("trainer-cpu", "0.3.1", False)
+
+
+def test_a_cuda_variants_training_build_carries_the_cuda_feature_cuda_home_nccl_and_the_driver_directory(
+    env, production, nixpkgs, tmp_path
+):
+    tree = workspace(tmp_path / "source", features='cuda = ["util/cuda"]\n')
+    (tree / "crates" / "util" / "Cargo.toml").write_text(
+        '[package]\nname = "util"\nversion = "0.1.0"\n[features]\ncuda = []\n'
+    )
+
+    training = production_training(env, production, nixpkgs, tmp_path, tree, libtorch="cu128", cwd="crates/train")
+
+    cudart = "/nix/store/00000000000000000000000000000000-cuda_cudart-12.8"
+    nccl = "/nix/store/00000000000000000000000000000000-nccl-12.8-out"
+    assert training["buildFeatures"] == ["cuda"] and training["env"]["FDL_GPU_FEATURE"] == "cuda"
+    # CUDA_HOME from the variant's own CUDA (cudaPackages_12_8), with the
+    # lib64/ flodl-sys links cudart from.
+    assert f"ln -sfn '{cudart}-include/include' \"$fdl_roots/cuda/include\"" in training["preBuild"]
+    assert f"ln -sfn '{cudart}-lib/lib' \"$fdl_roots/cuda/lib64\"" in training["preBuild"]
+    assert 'export CUDA_HOME="$fdl_roots/cuda"' in training["preBuild"]
+    assert training["buildInputs"] == [f"{cudart}-out", nccl]
+    assert training["env"]["NIX_LDFLAGS"].split(" -rpath ")[1:] == [f"{cudart}-lib/lib", f"{nccl}/lib"]
+    # The driver directory, where libcuda.so.1 and libnvidia-ml.so.1 are.
+    assert training["nativeBuildInputs"] == ["/nix/store/00000000000000000000000000000000-auto-add-driver-runpath-hook"]
+
+
+def test_a_cpu_variants_training_build_carries_none_of_the_cuda_parts(env, production, nixpkgs, tmp_path):
+    tree = workspace(tmp_path / "source", features='cuda = ["util/cuda"]\n')
+
+    training = production_training(env, production, nixpkgs, tmp_path, tree, libtorch="cpu", cwd="crates/train")
+
+    assert training["buildFeatures"] == [] and training["env"]["FDL_GPU_FEATURE"] == ""
+    assert "CUDA_HOME" not in training["preBuild"] and "cuda" not in training["env"]["NIX_LDFLAGS"]
+    assert training["buildInputs"] == [] and training["nativeBuildInputs"] == []
+    assert "FDL_CUDA_VERSION" not in training["env"]
+
+
+def test_the_production_flake_allows_exactly_the_unfree_cuda_packages_a_cuda_build_needs(
+    env, production, nixpkgs, tmp_path
+):
+    tree = workspace(tmp_path / "source")
+    recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", cwd="crates/train", bin="train")
+    common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, tree), recipe)]
+    asked = ["cuda_cudart", "cuda_nvcc", "cuda_cccl", "cudnn", "libcublas", "cuda_nvrtc"]
+
+    allowed = nix_json(
         env,
         "eval",
         f"{production}#{FDL}.training",
         "--apply",
-        "t: { inherit (t) pname version src LIBTORCH LIBTORCH_LIB LIBTORCH_INCLUDE doCheck builtWith;"
-        " lock = t.cargoLock.lockFile; }",
-        *common,
-    )
-    libtorch = nix_json(
-        env,
-        "eval",
-        f"{production}#{FDL}.libtorch.cu128",
-        "--apply",
-        "d: { out = d.out.outPath; dev = d.dev.outPath; }",
+        't: map (n: t.nixpkgsConfig.allowUnfreePredicate { pname = n; name = n + "-12.8"; }) '
+        + "[ "
+        + " ".join(json.dumps(n) for n in asked)
+        + " ]",
         *common,
     )
 
-    assert training["builtWith"] == "buildRustPackage"
-    assert training["LIBTORCH"] == training["LIBTORCH_LIB"] == libtorch["out"]
-    assert training["LIBTORCH_INCLUDE"] == libtorch["dev"]
-    assert training["src"].endswith("-source/crates/train")
-    assert training["lock"] == training["src"] + "/Cargo.lock"
-    assert (training["pname"], training["version"], training["doCheck"]) == ("trainer-cu128", "0.3.1", False)
+    assert dict(zip(asked, allowed, strict=True)) == {
+        "cuda_cudart": True,
+        "cuda_nvcc": True,
+        "cuda_cccl": True,
+        "cudnn": False,
+        "libcublas": False,
+        "cuda_nvrtc": False,
+    }
+
+
+def test_the_production_flake_instantiates_nixpkgs_once_per_system(env, production, nixpkgs):
+    # The stand-in traces each instantiation; the checks reach nixpkgs both
+    # through the app package and directly.
+    done = nix(
+        env,
+        "eval",
+        "--json",
+        "--no-write-lock-file",
+        f"{production}#checks.{SYSTEM}",
+        "--apply",
+        "c: [ c.app.builtWith c.gates.builtWith ]",
+        "--override-input",
+        "nixpkgs",
+        nixpkgs,
+    )
+
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["buildPythonApplication", "runCommand"]
+    assert done.stderr.count("fdl-standin: nixpkgs instantiated") == 1, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "recipe", "says"),
+    [
+        pytest.param(
+            "no-lock",
+            {"libtorch": "cpu", "cwd": "crates/train"},
+            'has no Cargo.lock in `cwd` = "crates/train" or any directory above it: commit Cargo.lock',
+            id="no-cargo-lock",
+        ),
+        pytest.param(
+            "no-cuda-feature",
+            {"libtorch": "cu128", "cwd": "crates/train"},
+            "has no cargo feature `cuda`, which a CUDA variant builds with",
+            id="no-cuda-feature",
+        ),
+        pytest.param(
+            "rust-version",
+            {"libtorch": "cpu", "cwd": "crates/train"},
+            'declares rust-version = "1.99", and this flake builds with rustc 1.91.1',
+            id="rust-version-too-new",
+        ),
+        pytest.param(
+            "toolchain-file",
+            {"libtorch": "cpu", "cwd": "crates/train"},
+            "rust-toolchain file asks for Rust 1.99.0, and this flake builds with rustc 1.91.1",
+            id="toolchain-file-too-new",
+        ),
+        pytest.param(
+            "no-manifest",
+            {"libtorch": "cpu", "cwd": "crates"},
+            'has no Cargo.toml in `cwd` = "crates"',
+            id="no-cargo-toml",
+        ),
+    ],
+)
+def test_a_source_the_production_build_cannot_take_is_refused_at_evaluation_with_the_fix(
+    env, production, nixpkgs, tmp_path, change, recipe, says
+):
+    tree = workspace(
+        tmp_path / "source",
+        lock=change != "no-lock",
+        extra='rust-version = "1.99"\n' if change == "rust-version" else "",
+    )
+    if change == "toolchain-file":
+        (tree / "rust-toolchain.toml").write_text('[toolchain]\nchannel = "1.99.0"\n')
+
+    stderr = production_refusal(env, production, nixpkgs, tmp_path, tree, **recipe)
+
+    assert "fdl-prepare flake: " in stderr and says in stderr, stderr
 
 
 def test_the_production_training_build_does_not_see_the_run_manifest(env, production, nixpkgs, tmp_path):

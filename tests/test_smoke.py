@@ -3,11 +3,14 @@ succeeds. A program that, like a Nix-built one, looks for libcuda.so.1 only
 in the driver directory (tests/driver_fixtures.py) passes when the driver
 directory holds it and fails, permanently and with the loader's words, when
 it does not; a timeout and any other failure are transient. Through the
-pipeline, the example trainer's --smoke runs from its run manifest."""
+pipeline, the example trainer (a Rust crate over the real libtorch) takes
+one training step from its run manifest's smoke run, and the same crate
+linked without a RUNPATH to libtorch fails it permanently."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -130,13 +133,51 @@ def shared_stage() -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+def example_files() -> dict[str, str | None]:
+    """The example trainer's source as published: every tracked file of it."""
+    files: dict[str, str | None] = {}
+    for path in sorted(EXAMPLE.rglob("*")):
+        rel = path.relative_to(EXAMPLE)
+        if path.is_file() and "target" not in rel.parts:
+            files[str(rel)] = path.read_text()
+    return files
+
+
 @pytest.fixture
 def example_source(git_source):
-    """The example trainer as a published source, its manifest as shipped
-    plus a smoke run of its --smoke."""
-    files = {name: (EXAMPLE / name).read_text() for name in ("build.sh", ".fdl-run.toml")}
-    files[".fdl-run.toml"] += 'smoke = ["--smoke"]\n'
-    return git_source(files)
+    """The example trainer (a Rust crate over the real libtorch) as a
+    published source, its manifest as shipped: it asks for `--smoke`."""
+    return git_source(example_files())
+
+
+# A training source the test flake builds with /bin/sh, whose `train
+# --smoke` loads what a CUDA binary links the way the loader would: from the
+# driver directory, the one place a Nix-built program looks for
+# libcuda.so.1 (nixpkgs' addDriverRunpath). A missing one is reported in the
+# loader's words, so fdl-prepare's smoke run reads it as a real binary's.
+DRIVER_PROBE = r"""
+cat > train <<'SCRIPT'
+#!/bin/sh
+if [ "${1:-}" = --smoke ]; then
+    [ -e /run/opengl-driver/lib/libcuda.so.1 ] || {
+        echo "$0: error while loading shared libraries: libcuda.so.1: cannot open shared object file: No such file or directory" >&2
+        exit 127
+    }
+fi
+echo "driver probe: libcuda.so.1 loads"
+SCRIPT
+chmod +x train
+"""
+
+
+@pytest.fixture
+def driver_probe_source(git_source):
+    return git_source(
+        {
+            "build.sh": DRIVER_PROBE,
+            ".fdl-run.toml": manifest_text(bin="train", build="/bin/sh build.sh", smoke=["--smoke"]),
+        }
+    )
 
 
 @pytest.fixture
@@ -153,25 +194,50 @@ def _spec(test_flake: str, state_dir: str, url: str, **kw: object) -> PrepareSpe
 
 
 @pytest.mark.nix
-def test_the_example_trainers_smoke_run_from_its_manifest_passes_before_prepare_succeeds(
-    nix_env, test_flake, state_dir, example_source, box
+def test_the_example_trainers_smoke_run_takes_a_training_step_before_prepare_succeeds(
+    nix_env, torch_flake, state_dir, example_source, box
 ):
     notes: list[str] = []
-    done = prepare(_spec(test_flake, state_dir, example_source.url, libtorch="cpu", cpu_only=True), notes)
+    done = prepare(_spec(torch_flake, state_dir, example_source.url, libtorch="cpu", cpu_only=True), notes)
     assert done.bin is not None
     assert list(done.timings)[-2:] == ["build", "smoke"]
-    assert any(n.startswith(f"smoke run `{done.bin.path} --smoke`") and " passed in " in n for n in notes), notes
+    passed = [n for n in notes if n.startswith(f"smoke run `{done.bin.path} --smoke`") and " passed in " in n]
+    assert len(passed) == 1, notes
+    # The step's own last line: forward, backward and SGD through libtorch.
+    before, after = map(float, re.search(r"loss (\d+\.\d+) -> (\d+\.\d+)", passed[0]).groups())  # type: ignore[union-attr]
+    assert after < before and "one training step (forward, backward, SGD)" in passed[0]
+
+
+@pytest.mark.nix
+def test_a_binary_whose_libtorch_is_out_of_its_reach_fails_the_smoke_run_permanently_with_the_loaders_words(
+    nix_env, torch_flake, state_dir, git_source, box
+):
+    # Built as a merged root in the build directory leaves it: linked against
+    # libtorch there, with no RUNPATH to the store's (no NIX_LDFLAGS).
+    files = example_files()
+    files[".fdl-run.toml"] = manifest_text(
+        bin="target/release/train",
+        build="NIX_LDFLAGS= /usr/bin/cargo build --release --offline",
+        smoke=["--smoke"],
+    )
+    source = git_source(files)
+    with pytest.raises(Fail) as failed:
+        prepare(_spec(torch_flake, state_dir, source.url, libtorch="cpu", cpu_only=True), [])
+    fail = failed.value
+    assert fail.permanent and fail.reason == "smoke.loader"
+    assert "error while loading shared libraries: libtorch_cpu.so: cannot open shared object file" in fail.message
+    assert "the loader could not start it" in fail.message
 
 
 @pytest.mark.nix
 def test_a_cuda_build_on_a_box_without_the_driver_directory_stops_at_the_smoke_run(
-    nix_env, test_flake, state_dir, example_source, box, nvml_box
+    nix_env, test_flake, state_dir, driver_probe_source, box, nvml_box
 ):
     if os.path.exists("/run/opengl-driver/lib/libcuda.so.1"):
         pytest.skip("this machine has a driver directory holding libcuda.so.1")
     nvml_box(ampere_pair())
     with pytest.raises(Fail) as failed:
-        prepare(_spec(test_flake, state_dir, example_source.url, libtorch="cu128"), [])
+        prepare(_spec(test_flake, state_dir, driver_probe_source.url, libtorch="cu128"), [])
     fail = failed.value
     assert fail.permanent and fail.reason == "smoke.loader"
     assert "libcuda.so.1: cannot open shared object file" in fail.message

@@ -105,6 +105,12 @@
       );
       settled = builtins.length (builtins.attrNames generated);
 
+      # A stand-in.nix here (holding `true`) makes the cpu variant the /bin/sh
+      # stand-in as well, for the many tests that exercise only variant logic
+      # and would otherwise each need PyTorch's wheel; without it, cpu is the
+      # real libtorch (toolchain.nix).
+      standIn = builtins.pathExists ./stand-in.nix && import ./stand-in.nix;
+
       systems = [
         "x86_64-linux"
         "aarch64-linux"
@@ -128,7 +134,10 @@
               recipe
               extraVariants
               ;
-            toolchain = import ./toolchain.nix { inherit system; };
+            toolchain = import ./toolchain.nix {
+              inherit system nixDir;
+              standInCpu = standIn;
+            };
           }
         );
       });

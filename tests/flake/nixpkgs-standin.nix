@@ -6,12 +6,55 @@
 # `lib` is nixpkgs' own; the packages are the least that records what the
 # production code asks of them: libtorch-bin keeps its version, src and
 # cudaSupport where a test can read them, buildRustPackage and
-# buildPythonApplication hand back their arguments. Nothing here builds.
-{ system, ... }:
+# buildPythonApplication hand back their arguments, the CUDA packages are
+# store paths named after what they stand for, and the `config` the flake
+# instantiated nixpkgs with is kept. Nothing here builds.
+{
+  system,
+  config ? { },
+  ...
+}:
 let
   lib = import ./lib;
 
   tool = name: { outPath = "/nix/store/00000000000000000000000000000000-${name}"; };
+
+  # A package with nixpkgs' split outputs (`include`, `lib`, ...), each its
+  # own store path.
+  split =
+    pname: version: outputs:
+    let
+      path = output: "/nix/store/00000000000000000000000000000000-${pname}-${version}-${output}";
+      self =
+        {
+          inherit pname version outputs;
+          name = "${pname}-${version}";
+          outPath = path "out";
+        }
+        // builtins.listToAttrs (
+          map (output: {
+            name = output;
+            value = self // {
+              outPath = path output;
+              outputSpecified = true;
+            };
+          }) outputs
+        );
+    in
+    self;
+
+  cudaPackagesOf = version: {
+    cuda_cudart = split "cuda_cudart" version [
+      "out"
+      "include"
+      "lib"
+      "dev"
+    ];
+    nccl = split "nccl" version [
+      "out"
+      "dev"
+    ];
+  };
 
   mkLibtorch =
     attrs:
@@ -35,7 +78,15 @@ let
     };
 
   pkgs = {
-    inherit lib system;
+    inherit lib system config;
+
+    rustc = {
+      version = "1.91.1";
+      outPath = "/nix/store/00000000000000000000000000000000-rustc-1.91.1";
+    };
+    autoAddDriverRunpath = tool "auto-add-driver-runpath-hook";
+    cudaPackages_12_6 = cudaPackagesOf "12.6";
+    cudaPackages_12_8 = cudaPackagesOf "12.8";
 
     fetchzip = args: args // { fetcher = "fetchzip"; };
 
@@ -45,7 +96,13 @@ let
       cudaSupport = false;
     };
 
-    rustPlatform.buildRustPackage = args: args // { builtWith = "buildRustPackage"; };
+    rustPlatform.buildRustPackage =
+      args:
+      args
+      // {
+        builtWith = "buildRustPackage";
+        nixpkgsConfig = config;
+      };
 
     python3Packages = {
       buildPythonApplication =
@@ -87,4 +144,5 @@ let
       f (builtins.intersectAttrs (builtins.functionArgs f) pkgs // args);
   };
 in
-pkgs
+# Counted by the test that nixpkgs is instantiated once per system.
+builtins.trace "fdl-standin: nixpkgs instantiated for ${system}" pkgs

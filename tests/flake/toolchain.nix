@@ -1,15 +1,26 @@
 # A toolchain without nixpkgs, for the test flake: the same interface as
 # nix/nixpkgs.nix, built from the host's /bin/sh and /usr/bin tools.
 #
-# The builders run the host's shell and coreutils. Without a sandbox
+# The builders run the host's shell, coreutils, python3, cargo and C++
+# compiler, always by path (/usr/bin), never from the caller's PATH: a
+# rustup cargo in someone's home is not part of any box. Without a sandbox
 # (Debian 12's nix-bin) they simply see them; with one (Debian 13 and NixOS
-# ship `sandbox = true`) the host must lend them to the sandbox, as the
-# tests and scripts/demo do:
-#   extra-sandbox-paths = /bin/sh=<the real /bin/sh> /usr /lib /lib64
-# (tests/nix_fixtures.py `sandbox_paths`). Without that, every build here
-# fails with "mkdir: command not found", which fdl-prepare names as the
-# flake's failure, not the training source's.
-{ system }:
+# ship `sandbox = true`) the host must lend them to the sandbox, as the tests
+# and scripts/demo do:
+#   extra-sandbox-paths = /bin/sh=<the real /bin/sh> /usr /lib /lib64 /etc/alternatives
+# (tests/nix_fixtures.py `sandbox_paths`; /etc/alternatives is where
+# Debian's c++ and cc point). Without that, every build here fails with
+# "mkdir: command not found", which fdl-prepare names as the flake's
+# failure, not the training source's.
+{
+  system,
+  # nix/ (cargo.nix, training-env.nix): the code the production toolchain
+  # shares with this one.
+  nixDir,
+  # true: the cpu variant is the /bin/sh stand-in too, for the many tests
+  # that exercise only variant logic (a flat copy with stand-in.nix).
+  standInCpu ? false,
+}:
 let
   sh = "/bin/sh";
   hostPath = "/usr/bin:/bin";
@@ -48,35 +59,175 @@ let
       override = args: mkLibtorch ({ inherit cudaSupport; } // args);
     };
 
+  # PyTorch's CPU wheel: a complete libtorch (torch/lib, torch/include,
+  # torch/share/cmake). Fetched by URL and hash with Nix's built-in fetcher,
+  # which needs no nixpkgs and runs outside any sandbox. `nix-store
+  # --add-fixed sha256 <the file>` gives the very same store path (the name
+  # is the file's), which is how scripts/setup seeds a store from pip
+  # without Nix touching the network.
+  torchWheel = derivation {
+    name = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl";
+    builder = "builtin:fetchurl";
+    system = "builtin";
+    url = "https://download.pytorch.org/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl";
+    outputHashMode = "flat";
+    outputHashAlgo = "sha256";
+    outputHash = "6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b";
+    preferLocalBuild = true;
+  };
+
+  # The wheel unpacked into libtorch-bin's shape: `out` holds lib/ (the
+  # shared libraries, all a binary loads), `dev` holds include/ and
+  # share/cmake, the CMake files' library paths pointed at `out` as nixpkgs'
+  # libtorch-bin does (its installPhase rewrites ${TORCH_INSTALL_PREFIX}/lib
+  # and ${_IMPORT_PREFIX}/lib). python3 -I -S: the host's interpreter
+  # without site-packages or /etc, the same in and out of a sandbox.
+  unpackWheel = ''
+    import os, shutil, sys, zipfile
+    wheel, out, dev = sys.argv[1:4]
+    places = (("torch/include/", dev + "/include/"), ("torch/share/cmake/", dev + "/share/cmake/"))
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            name = info.filename
+            if name.endswith("/"):
+                continue
+            if name.startswith("torch/lib/") and "/" not in name[10:] and ".so" in name:
+                dest = out + "/lib/" + name[10:]
+            else:
+                dest = next((to + name[len(prefix):] for prefix, to in places if name.startswith(prefix)), None)
+                if dest is None:
+                    continue
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with z.open(info) as src, open(dest, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            if dest.startswith(out + "/lib/"):
+                os.chmod(dest, 0o555)
+  '';
+
+  realLibtorch = derivation {
+    name = "fdl-test-libtorch-2.13.0-cpu";
+    inherit system unpackWheel;
+    wheel = torchWheel;
+    builder = sh;
+    args = [
+      "-c"
+      ''
+        set -eu
+        /usr/bin/python3 -I -S -c "$unpackWheel" "$wheel" "$out" "$dev"
+        [ -f "$dev/include/torch/csrc/api/include/torch/torch.h" ] && [ -f "$out/lib/libtorch_cpu.so" ] || {
+          echo "fdl-prepare test flake: $wheel holds no libtorch (torch/include, torch/lib)" >&2
+          exit 1
+        }
+        /usr/bin/sed -i "s|\''${TORCH_INSTALL_PREFIX}/lib|$out/lib|g" "$dev/share/cmake/Torch/TorchConfig.cmake"
+        /usr/bin/sed -i "s|\''${_IMPORT_PREFIX}/lib|$out/lib|g" "$dev/share/cmake/Caffe2/Caffe2Targets-release.cmake"
+      ''
+    ];
+    outputs = [
+      "out"
+      "dev"
+    ];
+    PATH = hostPath;
+  }
+  // {
+    # The CUDA variants stay stand-ins: there is no CUDA here to run them.
+    override = args: if args.cudaSupport or false then mkLibtorch args else realLibtorch;
+  };
+
+  # A CUDA toolkit stand-in with the shape the production flake gives
+  # CUDA_HOME's parts: headers, the runtime's lib/ and NCCL's lib/.
+  cudaStandIn =
+    version:
+    let
+      drv = derivation {
+        name = "fdl-test-cuda-${version}";
+        inherit system version;
+        builder = sh;
+        args = [
+          "-c"
+          ''
+            set -eu
+            mkdir -p "$out/include" "$out/lib" "$out/nccl/lib"
+            printf '/* stand-in for the CUDA %s runtime headers */\n' "$version" > "$out/include/cuda_runtime.h"
+            printf 'stand-in for libcudart (CUDA %s)\n' "$version" > "$out/lib/libcudart.so"
+            printf 'stand-in for libnccl (CUDA %s)\n' "$version" > "$out/nccl/lib/libnccl.so"
+          ''
+        ];
+        PATH = hostPath;
+      };
+    in
+    {
+      inherit version;
+      include = "${drv}/include";
+      lib = "${drv}/lib";
+      nccl = "${drv}/nccl/lib";
+    };
+
+  # nixpkgs' ld-wrapper hands $NIX_LDFLAGS to every link; the host's cc does
+  # not, so this one does. rustc links with `cc`, first on PATH.
+  ldWrapper = ''
+    #!/bin/sh
+    for flag in $NIX_LDFLAGS; do set -- "$@" "-Wl,$flag"; done
+    exec /usr/bin/cc "$@"
+  '';
+
   trainingScript = ''
     set -eu
     work="$NIX_BUILD_TOP/source"
     cp -R "$src" "$work"
     chmod -R u+w "$work"
-    cd "$work/$cwd"
-    if [ "$hasBuild" = 1 ]; then
+    if [ -n "''${roots:-}" ]; then eval "$roots"; fi
+    # What nixpkgs' stdenv gives every build, the production one's build
+    # lines included: a linker that takes $NIX_LDFLAGS, and a cargo home
+    # that is not $HOME (/homeless-shelter).
+    mkdir -p "$NIX_BUILD_TOP/fdl-bin"
+    printf '%s' "$ldWrapper" > "$NIX_BUILD_TOP/fdl-bin/cc"
+    chmod +x "$NIX_BUILD_TOP/fdl-bin/cc"
+    export PATH="$NIX_BUILD_TOP/fdl-bin:$PATH" CARGO_HOME="$NIX_BUILD_TOP/cargo-home"
+    if [ "$cargo" = 1 ]; then
+      cd "$work/$cwd"
+      # shellcheck disable=SC2086 # the features are one word each
+      /usr/bin/cargo build --release --offline $cargoFeatures || {
+        rc=$?
+        echo "fdl-prepare test flake: cargo build exited $rc" >&2
+        exit "$rc"
+      }
+      cd "$work"
+      found=
+      for f in $candidates; do
+        if [ -f "$f" ] && [ -x "$f" ]; then found=$f; break; fi
+      done
+      if [ -z "$found" ]; then
+        echo "fdl-prepare test flake: the build produced no executable '$bin' (looked in $candidates); set bin in .fdl-run.toml or source.bin" >&2
+        exit 1
+      fi
+    else
+      cd "$work/$cwd"
       /bin/sh -c "$build" || {
         rc=$?
         echo "fdl-prepare test flake: the build line exited $rc" >&2
         exit "$rc"
       }
-    fi
-    if [ ! -f "$bin" ]; then
-      echo "fdl-prepare test flake: the build produced no file '$bin' in '$cwd'; set bin in .fdl-run.toml or source.bin" >&2
-      exit 1
+      if [ ! -f "$bin" ]; then
+        echo "fdl-prepare test flake: the build produced no file '$bin' in '$cwd'; set bin in .fdl-run.toml or source.bin" >&2
+        exit 1
+      fi
+      found="$bin"
     fi
     mkdir -p "$out/bin"
-    cp "$bin" "$out/bin/$binName"
+    cp "$found" "$out/bin/$binName"
     chmod 0755 "$out/bin/$binName"
   '';
 in
 {
-  libtorch-bin = mkLibtorch { };
-  inherit mkLibtorch;
+  libtorch-bin = if standInCpu then mkLibtorch { } else realLibtorch;
+  inherit mkLibtorch torchWheel;
 
-  # Runs the recipe's build line with /bin/sh in a writable copy of the
-  # source at `cwd`, then installs `bin`: a test steers success, failure
+  # A recipe with a build line runs it with /bin/sh in a writable copy of
+  # the source at `cwd`, then installs `bin`: a test steers success, failure
   # (exit 3), a hang (sleep) or a change through the source tree alone.
+  # Without one, it builds the crate at `cwd` as the production flake does:
+  # `cargo build --release --offline` with LIBTORCH_PATH, the RUNPATH at
+  # libtorch's lib/ in the store, `--features cuda` for a CUDA variant.
   buildTraining =
     {
       src,
@@ -85,15 +236,42 @@ in
       bin,
       libtorch,
       variant,
+      cuda ? null,
       ...
     }:
+    let
+      crate = import (nixDir + "/cargo.nix") { inherit src cwd; };
+      cudaParts = if cuda == null then null else cudaStandIn cuda;
+      env =
+        if libtorch == null then
+          null
+        else
+          import (nixDir + "/training-env.nix") {
+            inherit libtorch;
+            cuda = cudaParts;
+          };
+      useCargo = build == null;
+      checked = if useCargo then crate.check { cuda = cuda != null; } else true;
+      ldflags =
+        if env == null then
+          ""
+        else
+          env.env.NIX_LDFLAGS + (if cuda == null then "" else " -rpath ${env.driverDir}");
+    in
+    assert checked;
     derivation (
       {
         name = "fdl-test-training-${if variant == null then "notorch" else variant}";
-        inherit system src cwd bin;
+        inherit
+          system
+          src
+          cwd
+          bin
+          ldWrapper
+          ;
         binName = baseNameOf bin;
-        hasBuild = if build == null then "0" else "1";
         build = if build == null then "" else build;
+        cargo = if useCargo then "1" else "0";
         builder = sh;
         args = [
           "-c"
@@ -103,13 +281,28 @@ in
         FDL_LIBTORCH_VARIANT = if variant == null then "" else variant;
       }
       // (
-        if libtorch == null then
+        if useCargo then
+          {
+            candidates = builtins.concatStringsSep " " (
+              if builtins.match ".*/.*" bin != null then [ "${crate.cwd}/${bin}" ] else crate.binCandidates bin
+            );
+            cargoFeatures =
+              if env == null || env.features == [ ] then
+                ""
+              else
+                "--features ${builtins.concatStringsSep "," env.features}";
+          }
+        else
+          { }
+      )
+      // (
+        if env == null then
           { }
         else
-          {
-            LIBTORCH = "${libtorch.out or libtorch}";
-            LIBTORCH_LIB = "${libtorch.out or libtorch}";
-            LIBTORCH_INCLUDE = "${libtorch.dev or libtorch.out or libtorch}";
+          env.env
+          // {
+            inherit (env) roots;
+            NIX_LDFLAGS = ldflags;
           }
       )
     );
