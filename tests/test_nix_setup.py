@@ -101,12 +101,14 @@ def test_an_enterable_stage_is_left_as_it_is():
         assert nix_mod.build_tmpdir({"TMPDIR": "/nonexistent"}) is None
 
 
+# prepare is imported before the mounts: a checkout under /tmp would be
+# hidden by them.
 _NO_ENTERABLE_TMP = """
 import os, subprocess, sys
-for d in ("/tmp", "/var/tmp"):
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "tmpfs", d], check=True)
 from prepare import nix
 from prepare.fail import Fail
+for d in ("/tmp", "/var/tmp"):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "tmpfs", d], check=True)
 try:
     print(nix.build_tmpdir({"TMPDIR": "/tmp"}))
 except Fail as fail:
