@@ -90,17 +90,22 @@ def box_sandbox_paths() -> list[str]:
     nix = shutil.which("nix")
     if nix is None:
         return []
-    try:
-        done = subprocess.run(
-            [nix, "--extra-experimental-features", "nix-command", "show-config"],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    for line in done.stdout.splitlines():
-        name, _, value = line.partition(" = ")
-        if name == "sandbox-paths":
-            return value.split()
+    # `config show` on current Nix (2.34 warns that `show-config` is its
+    # deprecated alias); 2.8 has only `show-config`.
+    for command in (["config", "show"], ["show-config"]):
+        try:
+            done = subprocess.run(
+                [nix, "--extra-experimental-features", "nix-command", *command],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        if done.returncode == 0:
+            for line in done.stdout.splitlines():
+                name, _, value = line.partition(" = ")
+                if name == "sandbox-paths":
+                    return value.split()
+            return []
     return []
 
 
