@@ -9,8 +9,9 @@ zero/non-zero: `nix build` exits 1 for a failed builder where `nix-store
 Nix words the same failure differently across versions, so the patterns
 match the meaning rather than one version's spelling; where one is there for
 a version's own words, the comment beside it says which version said what.
-Every pattern was checked against 2.8, 2.26 and 2.34, and takes a quoted
-value in either quotes or none (`_Q`, `_IN`).
+Each pattern takes a quoted value in single quotes (2.8, 2.26), double
+quotes (2.34's paths) or none (`_Q`, `_IN`); the comments quote the words
+each version was seen to write (2.8.0, 2.26.3, 2.34.8).
 """
 
 from __future__ import annotations
@@ -32,9 +33,6 @@ BUILD = "build"
 SIGN = "sign"
 COPY = "copy"
 
-# Compiled on first use: they only matter once a call has failed, and
-# compiling them at import would cost every warm run ~10 ms.
-
 # A value Nix quotes in a message: 2.8 and 2.26 write 'x' everywhere; 2.34
 # writes paths "x" (`getting status of "/p/github:a"`, `tarball "/x" does
 # not exist.`, `opening lock file "/nix/var/nix/db/big-lock"`) and other
@@ -43,6 +41,9 @@ COPY = "copy"
 # optional quote, `_IN` what lies between.
 _Q = "['\"]?"
 _IN = "[^'\"\\n]*"
+
+# Compiled on first use: they only matter once a call has failed, and
+# compiling them at import would cost every warm run ~10 ms.
 _HASH_MISMATCH = (
     r"hash mismatch in fixed-output derivation|hash mismatch importing path|NAR hash mismatch|got:\s+sha256"
 )

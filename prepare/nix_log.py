@@ -141,7 +141,8 @@ class Log:
             # and "disabling binary cache" is printed as one: they say so.
             daemon_warning = text.startswith("warning:") or text.startswith("disabling binary cache")
             # "(use '--show-trace' to show detailed location information)",
-            # a record of its own on 2.8 and 2.26; read whatever its quotes.
+            # a record of its own on 2.8 (2.26 and 2.34 write none); read
+            # whatever its quotes.
             hint = text.startswith("(use ") and "--show-trace" in text
             if level == 0 and text and not hint and not daemon_warning:
                 self.errors.append(text)
