@@ -20,7 +20,7 @@ already has. With either one set, every call also gets:
   hour before it built anything itself.
 
 What each case looks like in Nix's log, on 2.8 and 2.26 (the patterns match
-the words both versions share):
+the words both versions share; 2.34 words them as 2.26 does):
 
 - a daemon that does not trust this user drops a client's substituters:
   "ignoring untrusted substituter '<url>'" (2.26 adds ", you are not a
@@ -51,14 +51,20 @@ from prepare.nix_log import ACT_COPY_PATH, Log, store_name
 # Seconds to establish a connection to a cache (or any other download).
 CONNECT_TIMEOUT_S = 15
 
-_UNTRUSTED = re.compile(r"ignoring untrusted substituter '([^']*)'", re.IGNORECASE)
-_KEYS_IGNORED = re.compile(r"client-specified setting '(?:extra-)?trusted-public-keys'", re.IGNORECASE)
+# 2.8, 2.26 and 2.34 single-quote these; 2.34 double-quotes paths in
+# other messages, so each takes either quote, or none (a URL then ends at a
+# comma or a space; an unreachable one at the ": " before curl's reason).
+_UNTRUSTED = re.compile(r"ignoring untrusted substituter ['\"]?([^'\"\s,]+)['\"]?", re.IGNORECASE)
+_KEYS_IGNORED = re.compile(r"client-specified setting ['\"]?(?:extra-)?trusted-public-keys['\"]?", re.IGNORECASE)
 _UNSIGNED = re.compile(
-    r"substitute for '(/[^']*)' from '([^']*)'.*not signed by any of the keys in 'trusted-public-keys'",
+    r"substitute for ['\"]?(/[^'\"\s,]+)['\"]? from ['\"]?([^'\"\s,]+)['\"]?"
+    r".*not signed by any of the keys in ['\"]?trusted-public-keys",
     re.IGNORECASE,
 )
 _UNREACHABLE = re.compile(
-    r"unable to download '([^']*)'(?::\s*([^;\n]*))?|disabling binary cache '([^']*)'", re.IGNORECASE
+    r"unable to download (?:['\"](?P<url>[^'\"]*)['\"]|(?P<bare>\S+?)(?=:\s|$))(?::\s*(?P<why>[^;\n]*))?|"
+    r"disabling binary cache ['\"]?(?P<cache>[^'\"\s]+)['\"]?",
+    re.IGNORECASE,
 )
 
 
@@ -196,12 +202,13 @@ def _note_unreachable(log: Log, substituters: Sequence[str], notes: list[str], b
             m = _UNREACHABLE.search(line)
             if m is None:
                 continue
-            url = m[1] or m[3] or ""
+            url = m["url"] or m["bare"] or m["cache"] or ""
+            why = m["why"]
             cache = next((c for c in ours if url == c or url.startswith(c + "/")), None)
             # curl's reason ("Couldn't connect to server") over Nix's own
             # "disabling binary cache", whichever came first.
-            if cache is not None and (cache not in seen or (m[2] and not seen[cache][1])):
-                seen[cache] = ((m[2] or "").strip() or line.strip().removeprefix("warning:").strip(), bool(m[2]))
+            if cache is not None and (cache not in seen or (why and not seen[cache][1])):
+                seen[cache] = ((why or "").strip() or line.strip().removeprefix("warning:").strip(), bool(why))
     for cache, (why, _) in seen.items():
         notes.append(
             f"binary cache {cache} could not be reached ({why})"

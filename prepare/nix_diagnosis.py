@@ -9,6 +9,9 @@ zero/non-zero: `nix build` exits 1 for a failed builder where `nix-store
 Nix words the same failure differently across versions, so the patterns
 match the meaning rather than one version's spelling; where one is there for
 a version's own words, the comment beside it says which version said what.
+Each pattern takes a quoted value in single quotes (2.8, 2.26), double
+quotes (2.34's paths) or none (`_Q`, `_IN`); the comments quote the words
+each version was seen to write (2.8.0, 2.26.3, 2.34.8).
 """
 
 from __future__ import annotations
@@ -30,11 +33,26 @@ BUILD = "build"
 SIGN = "sign"
 COPY = "copy"
 
+# A value Nix quotes in a message: 2.8 and 2.26 write 'x' everywhere; 2.34
+# writes paths "x" (`getting status of "/p/github:a"`, `tarball "/x" does
+# not exist.`, `opening lock file "/nix/var/nix/db/big-lock"`) and other
+# values still 'x' (`input 'sshfs://x/y' is unsupported`, `cannot connect
+# to socket at '/s'`). Patterns take either quote, or none: `_Q` is the
+# optional quote, `_IN` what lies between.
+_Q = "['\"]?"
+_IN = "[^'\"\\n]*"
+
 # Compiled on first use: they only matter once a call has failed, and
 # compiling them at import would cost every warm run ~10 ms.
 _HASH_MISMATCH = (
     r"hash mismatch in fixed-output derivation|hash mismatch importing path|NAR hash mismatch|got:\s+sha256"
 )
+# "writing to file: No space left on device" (2.8, 2.26) and "write of
+# 24576 bytes: No space left on device" (2.34) where the store's disk fills
+# during a fetch. 2.34 also keeps gc-reserved-space (8 MiB) in the store's
+# db/, so a small store is full at its first call, whatever the call:
+# "setting journal mode: database or disk is full, database or disk is full
+# (in '/…/nix/var/nix/db/db.sqlite')".
 _NO_SPACE = r"no space left on device|disk quota exceeded|database or disk is full"
 # Daemon wording only. "connection reset by peer" and "unexpected end-of-file"
 # also end a download cut short (current Nix appends curl's own words:
@@ -44,42 +62,78 @@ _NO_SPACE = r"no space left on device|disk quota exceeded|database or disk is fu
 # that drops the connection says so through its store: "cannot open
 # connection to remote store 'unix://…': … Connection reset by peer" (Nix 2.8).
 # A cut with no daemon wording is a fetch (below): transient either way.
+# "cannot connect to socket at '/s': Connection refused" on 2.8, 2.26 and
+# 2.34 alike (2.34 still single-quotes the socket).
 _DAEMON = (
     r"cannot connect to socket at|cannot connect to daemon|error (reading from|writing to) daemon|"
-    r"cannot open connection to remote store '(daemon|unix:[^']*)'|daemon-socket/socket"
+    rf"cannot open connection to remote store {_Q}(daemon|unix:{_IN}){_Q}|daemon-socket/socket"
 )
 # The daemon is there and says no to this user: the socket's permissions
 # (Debian's nix-setup-systemd lets only the nix-users group in) or its
-# allowed-users. Seen the same on 2.8 and 2.26; no retry changes group
-# membership, so unlike an absent daemon it must stop a persist loop.
-_DAEMON_REFUSED = r"cannot connect to socket at '[^']*': permission denied|is not allowed to connect to the nix daemon"
+# allowed-users. Seen the same on 2.8, 2.26 and 2.34 ("cannot connect to
+# socket at '/s': Permission denied"); no retry changes group membership,
+# so unlike an absent daemon it must stop a persist loop.
+_DAEMON_REFUSED = (
+    rf"cannot connect to socket at {_Q}{_IN}{_Q}: permission denied|is not allowed to connect to the nix daemon"
+)
 # Nix builds as the members of build-users-group and that group does not
-# exist: Debian's nix-bin without its recommended nix-setup-systemd (2.8 and
-# 2.26 word it the same). Every build fails until the installation is fixed.
-_BUILD_USERS = r"the group '[^']*' specified in 'build-users-group' does not exist"
+# exist: Debian's nix-bin without its recommended nix-setup-systemd (2.8,
+# 2.26 and 2.34 word it the same: "the group 'nixbld' specified in
+# 'build-users-group' does not exist"). Every build fails until the
+# installation is fixed.
+_BUILD_USERS = rf"the group {_Q}{_IN}{_Q} specified in {_Q}build-users-group{_Q} does not exist"
 # The build users cannot enter the directory Nix builds in (a single-user
 # Nix as root builds under its TMPDIR, e.g. libpam-tmpdir's /tmp/user/0 at
 # 0700). The runner gives Nix an enterable TMPDIR, so this is what is left
 # when the builds go through a daemon whose own TMPDIR is like that.
-_BUILD_DIR = r"nix-build-[^\s'/]*\.drv-\d+[^\n]*(permission denied|can't cd)|can't cd to [^\n]*/nix-build-"
+_BUILD_DIR = r"nix-build-[^\s'\"/]*\.drv-\d+[^\n]*(permission denied|can't cd)|can't cd to [^\n]*/nix-build-"
 # A flake URL Nix cannot parse (source.from, flake, or an input the flake
 # declares): no retry parses it, so it must stop a persist loop. Checked
 # before the fetch fallback, which would call any error in a fetch transient.
 _BAD_URL = (
-    r"is not a valid URL|\bURL '[^']*' is invalid|input '[^']*' is unsupported|has wrong length for hash type|"
-    r"invalid SRI hash|is not SRI|invalid base-(16|32|64) hash|unexpected fragment '|should not have an authority|"
-    r"has unexpected authority|has unsupported parameter|invalid Git branch/tag name|"
-    # 2.26 says "hash algorithm" where 2.8 says "hash type".
+    # 2.8's words, most of them kept by 2.26 and 2.34: "'path:/a b' is not
+    # a valid URL", "URL 'github:a' is invalid", "input 'sshfs://x/y' is
+    # unsupported" (2.8, 2.26, 2.34), "hash 'zzz' has wrong length for hash
+    # type 'sha1'", "invalid SRI hash 'AAAA'" (2.34 adds ", length 3 !=
+    # expected length 32"), "hash 'garbage' is not SRI" (2.8, 2.34), "path
+    # URL 'path://tmp/x' should not have an authority ('tmp')" and "path URL
+    # 'path:/x?x=1' has unsupported parameter 'x'" (2.8, 2.26, 2.34).
+    rf"is not a valid URL|\bURL {_Q}{_IN}{_Q} is invalid|input {_Q}{_IN}{_Q} is unsupported|"
+    r"has wrong length for hash type|invalid SRI hash|is not SRI|unexpected fragment|"
+    r"should not have an authority|has unexpected authority|has unsupported parameter|invalid Git branch/tag name|"
+    # "invalid base-16 hash 'zzz…'" (2.8); "invalid base16 hash 'zzz…',
+    # length 0 != expected length 20" (2.34).
+    r"invalid base-?(16|32|64) hash|"
+    # 2.26 and 2.34 say "hash algorithm" where 2.8 says "hash type".
     r"has wrong length for hash algorithm|"
-    # 2.26 reads file:///x as an archive to open; 2.8 refuses it outright
-    # ("input 'file:///x' is unsupported").
-    r"could not read a file:// file|"
-    # 2.26 (not 2.8) takes a string it cannot parse as a URL for a path
-    # relative to the working directory, so the refusal names
+    # A file:// URL that names no file. 2.8: "unable to download
+    # 'file:///x.tar.gz': Couldn't read a file:// file (37)" (and "input
+    # 'file:///x' is unsupported", above, for a name that is no archive's);
+    # 2.26, for either: "Failed to open archive (Source threw exception:
+    # error: unable to download 'file:///x': Could not read a file:// file
+    # (37) Couldn't open file /x)"; 2.34: "tarball "/x" does not exist." and
+    # "tarball "/d" is a directory, not a file." (2.8: unsupported).
+    rf"(could not|couldn't) read a file:// file|tarball {_Q}{_IN}{_Q} (does not exist|is a directory, not a file)|"
+    # 2.26 and 2.34 open any file:// URL as an archive, where 2.8 takes only
+    # a name that ends .zip, .tar, .tgz, .tar.gz, .tar.xz, .tar.bz2 or
+    # .tar.zst and refuses any other as unsupported (above). A file of any
+    # other name that is no archive is that refusal in their words: "…
+    # while fetching the input 'file:///p/x.txt'" then "error: Failed to
+    # open archive (Unrecognized archive format)" (2.26, 2.34). A misnamed
+    # archive's failure (x.tar.gz) stays a failed fetch, as on 2.8.
+    rf"input {_Q}file://{_IN}(?<!\.zip)(?<!\.tar)(?<!\.tgz)(?<!\.tar\.gz)(?<!\.tar\.xz)(?<!\.tar\.bz2)(?<!\.tar\.zst)"
+    rf"{_Q}\s*(error:\s*)?failed to open archive \(unrecognized archive format\)|"
+    # 2.26 and 2.34 (not 2.8) take a string they cannot parse as a URL for
+    # a path relative to the working directory, so the refusal names
     # "<cwd>/github:a" or "<cwd>/path:/tmp/a b": a path component that
-    # carries a URL scheme.
-    r"getting status of '[^']*/[a-z][a-z0-9+.-]*:[^']*': no such file or directory"
+    # carries a URL scheme. 2.26: "getting status of '/p/github:a': No such
+    # file or directory"; 2.34: "getting status of "/p/github:a": No such
+    # file or directory" (also for git+file://tmp/x, read as
+    # "/p/git+file:/tmp/x", and for an invalid ref name, ?ref=a..b).
+    rf"getting status of {_Q}{_IN}/[a-z][a-z0-9+.-]*:{_IN}{_Q}: no such file or directory"
 )
+# "building of '/nix/store/…-x.drv!out' from .drv file timed out after 2
+# seconds" (2.8; 2.26 writes "^out"); "timed out after 2 seconds" (2.34).
 _TIMEOUT = r"timed out after \d+ seconds"
 # A cache that says no, or a URL that names no store Nix can write: no retry
 # changes either. 2.8 and 2.26 word these alike.
@@ -89,6 +143,10 @@ _CACHE_REFUSED = (
     r"not privileged|is not allowed|HTTP error 40[13]|access denied|host key verification failed|"
     r"permission denied \(publickey"
 )
+# "builder for '/nix/store/…drv' failed with exit code 3" and "1
+# dependencies of derivation '…' failed to build" (2.8, 2.26); "Cannot build
+# '/nix/store/…drv'.", then "Reason: builder failed with exit code 3." or
+# "Reason: 1 dependency failed." (2.34).
 _BUILDER = (
     r"builder for .* failed|build of .* failed|dependencies couldn't be built|"
     r"dependencies of derivation .* failed to build|cannot build|builder failed"
@@ -96,7 +154,13 @@ _BUILDER = (
 _FETCH = (
     r"unable to download|couldn't connect|could not connect|could not resolve|couldn't resolve|"
     r"failed to connect|connection refused|connection timed out|timeout was reached|network is unreachable|"
-    r"temporary failure in name resolution|name or service not known|program 'git' failed|unable to access|"
+    r"temporary failure in name resolution|name or service not known|unable to access|"
+    # A git fetch that fails: "program 'git' failed with exit code 128"
+    # (2.8, which runs git); "resolving Git reference 'main': revspec 'main'
+    # not found" (2.26, 2.34: libgit2), "Git repository "/p" does not
+    # exist." and "Failed to fetch git repository 'https://…'" (2.34). A
+    # flake input that fails so is the same failed fetch on every version.
+    rf"program {_Q}git{_Q} failed|resolving git reference|git repository {_Q}{_IN}{_Q} does not exist|"
     r"cannot fetch|failed to fetch|unable to fetch|could not read from remote repository|http error|"
     r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b|connection reset by peer|"
     r"unexpected end-of-file|failure when receiving data from the peer"
@@ -220,8 +284,9 @@ _FIXES = {
     "its toolchain) and point flake (--flake) at the fixed revision; retrying builds the same "
     "thing again. A builder that cannot find its tools (`command not found`, `executing "
     "'/bin/sh'`) relies on host programs that Nix's build sandbox (sandbox = true) hides",
-    "bad-url": "Nix cannot parse the URL quoted above, and no retry will: correct source.from in [join.source] "
-    "(--source) or flake (--flake), whichever it is (or the input the flake declares with it)",
+    "bad-url": "Nix cannot parse the URL quoted above (or, for a file:// URL, finds no archive where it points), and "
+    "no retry will: correct source.from in [join.source] (--source) or flake (--flake), whichever it is (or the "
+    "input the flake declares with it)",
     "fetch": "check the network, the URL and its ref; the next attempt retries",
     "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
     "unknown": "the next attempt retries",
@@ -278,9 +343,9 @@ def failure(
     whether the fetch was the training source's (`source.unreachable`) or an
     input of the flake's (`nix.fetch`)."""
     detail = _clip(diagnosis.detail)
-    # Nix words the same refusal differently across versions (2.26 takes an
-    # unparsable URL for a relative path); the operator and a fleet's log
-    # search get the same words from every version.
+    # Nix words the same refusal differently across versions (2.26 and 2.34
+    # take an unparsable URL for a relative path); the operator and a
+    # fleet's log search get the same words from every version.
     said = "Nix refused the URL (it is not a valid URL to Nix): " if diagnosis.category == "bad-url" else ""
     message = f"{doing} failed: {said}{detail}"
     if extra:

@@ -140,7 +140,11 @@ class Log:
             # prints what the daemon sends as an error, 2.8 and 2.26 alike),
             # and "disabling binary cache" is printed as one: they say so.
             daemon_warning = text.startswith("warning:") or text.startswith("disabling binary cache")
-            if level == 0 and text and not text.startswith("(use '--show-trace'") and not daemon_warning:
+            # "(use '--show-trace' to show detailed location information)",
+            # a record of its own on 2.8 (2.26 and 2.34 write none); read
+            # whatever its quotes.
+            hint = text.startswith("(use ") and "--show-trace" in text
+            if level == 0 and text and not hint and not daemon_warning:
                 self.errors.append(text)
             elif level <= 1 and text:
                 self.warnings.append(text)

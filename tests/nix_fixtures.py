@@ -63,7 +63,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,21 +72,68 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def sandbox_paths() -> str:
-    """What the test flake's builders need from the host inside Nix's build
-    sandbox (tests/flake/toolchain.nix): a shell, /usr's tools and the
-    dynamic loader and libraries they link, and /etc/alternatives, where
-    Debian's cc and c++ point (the example trainer is compiled with them).
-    On a merged-/usr system /bin, /lib and /lib64 are links into /usr;
-    elsewhere /bin is lent whole."""
-    paths = []
-    if os.path.islink("/bin"):
-        paths.append(f"/bin/sh={os.path.realpath('/bin/sh')}")
-    else:
-        paths.append("/bin")
-    paths.append("/usr")
-    paths += [p for p in ("/lib", "/lib64", "/etc/alternatives") if os.path.lexists(p)]
-    return " ".join(paths)
+# The host paths the test flake's builders use (tests/flake/toolchain.nix),
+# lent to Nix's build sandbox where it is on (Debian 13 and testing, NixOS):
+# a shell, /usr's tools, the dynamic loader and libraries they link, and
+# /etc/alternatives, where Debian's cc and c++ point (the example trainer is
+# compiled with them). On a merged-/usr system /bin, /lib and /lib64 are links into /usr; elsewhere
+# /bin is lent whole. scripts/demo lends the same list.
+SANDBOX_LENT = [
+    f"/bin/sh={os.path.realpath('/bin/sh')}" if os.path.islink("/bin") else "/bin",
+    "/usr",
+    *[p for p in ("/lib", "/lib64", "/etc/alternatives") if os.path.lexists(p)],
+]
+
+
+def _target(entry: str) -> str:
+    """Where a sandbox-paths entry appears inside the sandbox:
+    `/bin/sh=/usr/bin/dash` at /bin/sh, `/usr` at /usr, `/x?` (optional)
+    at /x."""
+    return entry.split("=", 1)[0].removesuffix("?")
+
+
+def box_sandbox_paths() -> list[str]:
+    """The box's own `sandbox-paths`, as Nix resolves it (nix.conf, or the
+    built-in `/bin/sh=` shell that Debian's 2.26 and 2.34 have); empty
+    without Nix."""
+    nix = shutil.which("nix")
+    if nix is None:
+        return []
+    # `config show` on current Nix (2.34 warns that `show-config` is its
+    # deprecated alias); 2.8 has only `show-config`.
+    for command in (["config", "show"], ["show-config"]):
+        try:
+            done = subprocess.run(
+                [nix, "--extra-experimental-features", "nix-command", *command],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        if done.returncode == 0:
+            for line in done.stdout.splitlines():
+                name, _, value = line.partition(" = ")
+                if name == "sandbox-paths":
+                    return value.split()
+            return []
+    return []
+
+
+def sandbox_paths(lent: Sequence[str] = SANDBOX_LENT) -> str:
+    """The whole `sandbox-paths` setting that lends `lent`: the box's own
+    entries that `lent` does not cover, then `lent`.
+
+    Set whole, never added with `extra-sandbox-paths`: Nix 2.34 no longer
+    lets an added entry replace one already there for the same path, so
+    Debian's built-in `/bin/sh=/usr/bin/bash-static` would win over the
+    /bin/sh lent here (a builder would run bash where dash was meant). 2.8,
+    2.26 and 2.34 all honour the whole setting."""
+    covered = [_target(entry).rstrip("/") for entry in lent]
+    kept = [
+        entry
+        for entry in box_sandbox_paths()
+        if not any(_target(entry) == t or _target(entry).startswith(t + "/") for t in covered)
+    ]
+    return " ".join([*kept, *lent])
 
 
 NIX_CONFIG = "\n".join(
@@ -97,8 +144,9 @@ NIX_CONFIG = "\n".join(
         # attempt is enough to show it fails.
         "download-attempts = 1",
         # Ignored where the sandbox is off (Debian 12); where it is on
-        # (Debian 13, NixOS) the test flake's host-tool builders need it.
-        f"extra-sandbox-paths = {sandbox_paths()}",
+        # (Debian 13 and testing, NixOS) the test flake's host-tool builders
+        # need it.
+        f"sandbox-paths = {sandbox_paths()}",
         "",
     ]
 )

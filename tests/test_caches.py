@@ -46,6 +46,9 @@ def daemon_says(text: str) -> str:
         f"ignoring untrusted substituter '{CACHE}'",  # 2.8
         f"ignoring untrusted substituter '{CACHE}', you are not a trusted user.\n"
         "Run `man nix.conf` for more information on the `substituters` configuration option.",  # 2.26
+        # 2.34 double-quotes paths in other messages: either quote, or none
+        f'ignoring untrusted substituter "{CACHE}", you are not a trusted user.',
+        f"ignoring untrusted substituter {CACHE}, you are not a trusted user.",
     ],
 )
 def test_a_cache_the_daemon_drops_is_permanent_on_every_version(said):
@@ -75,7 +78,10 @@ def test_the_cache_is_matched_without_its_query_or_trailing_slash():
     [
         f"the substitute for '{PATH}' from '{CACHE}' is not signed by any of the keys in 'trusted-public-keys'",
         f"ignoring substitute for '{PATH}' from '{CACHE}', as it's not signed by any of the keys in "
-        "'trusted-public-keys'",
+        "'trusted-public-keys'",  # 2.26 and 2.34
+        f'ignoring substitute for "{PATH}" from "{CACHE}", as it\'s not signed by any of the keys in '
+        '"trusted-public-keys"',
+        f"ignoring substitute for {PATH} from {CACHE}, as it's not signed by any of the keys in trusted-public-keys",
     ],
 )
 def test_a_path_signed_by_no_trusted_key_is_named_as_refused_on_every_version(said):
@@ -119,13 +125,15 @@ def test_substitutions_are_counted_per_cache_with_their_bytes():
     assert "built here: 0 derivations" in notes
 
 
-def test_an_unreachable_cache_is_a_note_with_curls_reason():
+@pytest.mark.parametrize("quote", ["'", '"', ""])
+def test_an_unreachable_cache_is_a_note_with_curls_reason(quote):
     lines = [
-        record(action="msg", level=0, msg=f"disabling binary cache '{CACHE}' for 60 seconds"),
+        record(action="msg", level=0, msg=f"disabling binary cache {quote}{CACHE}{quote} for 60 seconds"),
         record(
             action="msg",
             level=1,
-            msg=f"warning: unable to download '{CACHE}/nix-cache-info': Couldn't connect to server (7); retrying",
+            msg=f"warning: unable to download {quote}{CACHE}/nix-cache-info{quote}: Couldn't connect to server (7); "
+            "retrying",
         ),
     ]
     notes: list[str] = []
@@ -133,6 +141,16 @@ def test_an_unreachable_cache_is_a_note_with_curls_reason():
     caches.note(log, (CACHE,), notes)
     assert f"binary cache {CACHE} could not be reached (Couldn't connect to server (7))" in notes[-1]
     assert log.errors == []
+
+
+def test_an_unreachable_cache_in_2_34s_words_is_the_same_note():
+    said = (
+        f"warning: unable to download '{CACHE}/nix-cache-info': Could not connect to server (7) Failed to connect "
+        "to 127.0.0.1:8080 after 0 ms: Could not connect to server"
+    )
+    notes: list[str] = []
+    caches.note(log_of(record(action="msg", level=1, msg=said)), (CACHE,), notes)
+    assert f"binary cache {CACHE} could not be reached (Could not connect to server (7) Failed to connect" in notes[-1]
 
 
 def test_no_cache_configured_and_none_used_adds_no_note():

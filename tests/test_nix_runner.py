@@ -33,6 +33,12 @@ def _error(text: str) -> str:
     return _record(action="msg", level=0, msg=f"\x1b[31;1merror:\x1b[0m {text}", raw_msg=text)
 
 
+def _fetching(url: str, text: str) -> str:
+    """An error as 2.26 and 2.34 word one met while fetching an input: the
+    input first, then Nix's own error."""
+    return f"\n       \u2026 while fetching the input '{url}'\n\n       error: {text}"
+
+
 # -- version ------------------------------------------------------------------------
 
 
@@ -314,6 +320,50 @@ RECORDED = [
     (BUILD, "cp: cannot stat '/tmp/user/0/nix-build-train.drv-0/source': Permission denied", "build-dir", True),
     # A path that merely does not exist is not a URL Nix refused.
     (FETCH, "getting status of '/srv/train/data': No such file or directory", "fetch", False),
+    (FETCH, _fetching("path:/srv/train/data", "path '//srv/train/data' does not exist"), "fetch", False),  # 2.26, 2.34
+    # 2.34's words (seen on 2.34.8), where they are its own
+    (
+        EVALUATION,
+        "setting journal mode: database or disk is full, database or disk is full (in "
+        "'/srv/tiny/nix/var/nix/db/db.sqlite')",
+        "no-space",
+        True,
+    ),
+    (FETCH, _fetching("path:/srv/big", "write of 24576 bytes: No space left on device"), "no-space", True),
+    (BUILD, "Cannot build '/nix/store/x-dep.drv'.\n       Reason: 1 dependency failed.", "builder", False),
+    (BUILD, "timed out after 2 seconds", "timeout", False),
+    (BUILD, 'opening lock file "/nix/var/nix/db/big-lock": Permission denied', "store-permission", True),
+    (
+        FETCH,
+        _fetching("git+file:///srv/nowhere?ref=main", 'Git repository "/srv/nowhere" does not exist.'),
+        "fetch",
+        False,
+    ),
+    (
+        FETCH,
+        _fetching("https://git.example/x.git?ref=main", "Failed to fetch git repository 'https://git.example/x.git'"),
+        "fetch",
+        False,
+    ),
+    # A flake's own input that cannot be fetched is a failed fetch on every
+    # version: 2.8 says "program 'git' failed", 2.26 and 2.34 (libgit2) name
+    # the ref or the repository.
+    (EVALUATION, "program 'git' failed with exit code 128", "fetch", False),
+    (EVALUATION, "resolving Git reference 'nope': revspec 'nope' not found (libgit2 error code = 4)", "fetch", False),
+    (EVALUATION, 'Git repository "/srv/nowhere" does not exist.', "fetch", False),
+    # An archive that is not one, named like one: a failed fetch, as on 2.8
+    # ("failed to open archive: Unrecognized archive format").
+    (FETCH, "failed to open archive: Unrecognized archive format", "fetch", False),
+    (FETCH, _fetching("file:///srv/x.tar.gz", "Failed to open archive (Unrecognized archive format)"), "fetch", False),
+    # The daemon refusing this user, in either quotes or none
+    (
+        EVALUATION,
+        'cannot connect to socket at "/nix/var/nix/daemon-socket/socket": Permission denied',
+        "daemon-refused",
+        True,
+    ),
+    (EVALUATION, "cannot connect to socket at /srv/socket: Permission denied", "daemon-refused", True),
+    (BUILD, 'the group "nixbld" specified in "build-users-group" does not exist', "build-users", True),
 ]
 
 
@@ -379,12 +429,21 @@ def tiny_store(tmp_path):
         subprocess.run(["umount", "-l", str(mountpoint)], check=False)
 
 
-def test_a_full_store_is_permanent_even_while_fetching(nix_env, test_flake, tiny_store, tmp_path, monkeypatch):
+@pytest.mark.parametrize("reserved", ["as-configured", "none"])
+def test_a_full_store_is_permanent_whichever_step_finds_it_full(
+    nix_env, test_flake, tiny_store, tmp_path, monkeypatch, reserved
+):
+    """2.34 keeps gc-reserved-space (8 MiB unless set) in the store's db/,
+    so a 2 MiB store is full at its first call, the flake's evaluation
+    ("database or disk is full"); with none reserved, and on 2.8 and 2.26
+    either way, the 4 MiB source fills it while it is fetched ("No space
+    left on device"). Either step gives the same Fail."""
     big = tmp_path / "big"
     big.mkdir()
     (big / "weights.bin").write_bytes(os.urandom(4 << 20))
     (big / ".fdl-run.toml").write_text('bin = "x"\n')
-    monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = {tiny_store}\n")
+    config = NIX_CONFIG + f"store = {tiny_store}\n" + ("gc-reserved-space = 0\n" if reserved == "none" else "")
+    monkeypatch.setenv("NIX_CONFIG", config)
     spec = PrepareSpec(
         source=SourceSpec(from_=f"path:{big}"),
         libtorch="cpu",
@@ -394,9 +453,8 @@ def test_a_full_store_is_permanent_even_while_fetching(nix_env, test_flake, tiny
     )
     with pytest.raises(Fail) as caught:
         build(spec, None, [])
-    assert caught.value.permanent
-    assert "No space left on device" in caught.value.message
-    assert "nix-collect-garbage" in caught.value.message
+    assert (caught.value.reason, caught.value.permanent) == ("nix.no-space", True), caught.value.message
+    assert "nix-collect-garbage" in caught.value.message.split("Fix:")[1]
 
 
 def test_a_store_this_user_cannot_write_is_permanent(nix_env, test_flake, tmp_path):
@@ -523,36 +581,70 @@ def test_an_input_fetch_failing_while_the_flake_is_evaluated_says_retry_not_fix_
     assert "point flake" not in fix and "contract" not in fix and "nix-daemon" not in fix
 
 
-def _unparsable_sources(tmp_path: Path) -> list[tuple[str, str]]:
+# What Nix says for each, by version where they differ (seen on 2.8.0,
+# 2.26.3 and 2.34.8). {tree} is a directory holding a manifest, {tmp} the
+# test's own directory, which holds notes.txt, a file that is no archive.
+UNPARSABLE_SOURCES = {
+    # 2.8 refuses file:///x as unsupported, 2.26 tries to open it as an
+    # archive ("Could not read a file:// file"), 2.34 says the tarball does
+    # not exist.
+    "file-not-there": ("file:///x", ("is unsupported", "Could not read a file:// file", 'tarball "/x" does not exist')),
+    # 2.8: "Couldn't read a file:// file (37)"; 2.34: tarball "…" does not exist.
+    "archive-not-there": (
+        "file://{tmp}/missing.tar.gz",
+        ("Couldn't read a file:// file", "Could not read a file:// file", "does not exist"),
+    ),
+    # 2.8 refuses the name; 2.26 and 2.34 open it and find no archive
+    "file-no-archive": ("file://{tmp}/notes.txt", ("is unsupported", "Unrecognized archive format")),
+    "scheme-unknown": ("sshfs://x/y", ("is unsupported",)),
+    "rev-too-short": ("path:{tree}?rev=zzz", ("has wrong length",)),
+    "nar-hash-not-sri": ("path:{tree}?narHash=sha256-AAAA", ("invalid SRI hash",)),
+    # A forge URL without an owner/repo pair: 2.8 "URL 'github:a?ref=main' is
+    # invalid"; 2.26 and 2.34 read it as a relative path, "getting status of
+    # '<cwd>/github:a'" (2.34 in double quotes).
+    "github-no-repo": ("github:a?ref=main", ("is invalid", "/github:a")),
+    "gitlab-no-repo": ("gitlab:a?ref=main", ("is invalid", "/gitlab:a")),
+}
+
+
+def _unparsable_source(tmp_path: Path, case: str) -> tuple[str, tuple[str, ...]]:
     tree = tmp_path / "tree"
     tree.mkdir(exist_ok=True)
     (tree / ".fdl-run.toml").write_text('bin = "train"\n')
-    # What Nix says, by version where they differ: 2.8 refuses file:///x
-    # as unsupported, 2.26 tries to open it as an archive.
-    return [
-        ("file:///x", ("is unsupported", "Could not read a file:// file")),
-        ("sshfs://x/y", ("is unsupported",)),
-        (f"path:{tree}?rev=zzz", ("has wrong length",)),
-        (f"path:{tree}?narHash=sha256-AAAA", ("invalid SRI hash",)),
-    ]
+    (tmp_path / "notes.txt").write_text("not an archive\n")
+    url, said = UNPARSABLE_SOURCES[case]
+    return url.format(tree=tree, tmp=tmp_path), said
 
 
-@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("case", sorted(UNPARSABLE_SOURCES))
 def test_a_source_url_nix_cannot_parse_is_permanent_and_names_source_from(nix_env, test_flake, tmp_path, case):
-    url, said = _unparsable_sources(tmp_path)[case]
+    url, said = _unparsable_source(tmp_path, case)
     events: list[dict] = []
     spec = PrepareSpec(
         source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "state")
     )
     with pytest.raises(Fail) as caught:
         build(spec, None, [], progress=events.append)
-    assert caught.value.permanent
+    assert (caught.value.reason, caught.value.permanent) == ("nix.bad-url", True), caught.value.message
     assert any(words in caught.value.message for words in said) and url in caught.value.message
     assert "is not a valid URL" in caught.value.message
     fix = caught.value.message.split("Fix:")[1]
     assert "source.from" in fix and "--source" in fix and "--flake" in fix
     assert "retries" not in fix
     assert not any(e["type"] == "build-start" for e in events)
+
+
+@pytest.mark.parametrize("flake", ["github:a", "gitlab:a", "git+file://tmp/x"])
+def test_a_flake_url_nix_cannot_parse_is_permanent_and_says_to_correct_it(nix_env, tmp_path, flake):
+    """2.26 and 2.34 take github:a for a relative path (2.34 in double
+    quotes), 2.8 calls it invalid: the same refusal, not an evaluation error
+    that sends the operator to the contract."""
+    with pytest.raises(Fail) as caught:
+        build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")), None, [])
+    assert (caught.value.reason, caught.value.permanent) == ("nix.bad-url", True), caught.value.message
+    assert flake in caught.value.message and "is not a valid URL" in caught.value.message
+    fix = caught.value.message.split("Fix:")[1]
+    assert "flake (--flake)" in fix and "contract" not in fix and "retries" not in fix
 
 
 def test_nix_refusing_a_url_with_a_space_is_permanent(nix_env, tmp_path):
@@ -581,12 +673,32 @@ def test_nix_refusing_a_url_with_a_space_is_permanent(nix_env, tmp_path):
         "path URL 'path:/x?x=1' has unsupported parameter 'x'",
         "invalid Git branch/tag name 'ma in'",
         "unexpected fragment 'x' in flake reference 'path:/x#x'",
+        "unable to download 'file:///srv/x.tar.gz': Couldn't read a file:// file (37)",
         # 2.26's words for the same refusals
         "hash 'zzz' has wrong length for hash algorithm 'sha1'",
         "getting status of '/srv/cwd/github:a': No such file or directory",
         "getting status of '/srv/cwd/path:/tmp/a src': No such file or directory",
+        "getting status of '/srv/cwd/git+file:/tmp/x': No such file or directory",
         "Failed to open archive (Source threw exception: error: unable to download 'file:///x': Could not read a "
         "file:// file (37) Couldn't open file /x)",
+        # 2.34's (seen on 2.34.8): paths in double quotes, a fetch's error
+        # under the input it was fetching
+        'getting status of "/srv/cwd/github:a": No such file or directory',
+        'getting status of "/srv/cwd/gitlab:a": No such file or directory',
+        'getting status of "/srv/cwd/path:/tmp/a src": No such file or directory',
+        'getting status of "/srv/cwd/git+file:/srv/repo": No such file or directory',
+        _fetching("file:///x", 'tarball "/x" does not exist.'),
+        _fetching("file:///srv/missing.tar.gz", 'tarball "/srv/missing.tar.gz" does not exist.'),
+        _fetching("file:///srv/d", 'tarball "/srv/d" is a directory, not a file.'),
+        _fetching("path:/srv/t?narHash=sha256-AAAA", "invalid SRI hash 'AAAA', length 3 != expected length 32"),
+        "invalid base16 hash 'zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz', length 0 != expected length 20",
+        # a file:// name 2.8 refuses as no archive's ("unsupported"), that
+        # 2.26 and 2.34 open and find no archive in
+        _fetching("file:///srv/notes.txt", "Failed to open archive (Unrecognized archive format)"),
+        # the same, in quotes no version has used yet, or none
+        "getting status of /srv/cwd/github:a: No such file or directory",
+        'URL "github:owner" is invalid',
+        "input sshfs://x/y is unsupported",
     ],
 )
 def test_every_nix_refusal_to_parse_a_url_is_permanent_in_any_phase(text):

@@ -1,7 +1,8 @@
 """Nix itself, misconfigured, is named as such, never as a flake or a
 training-source problem; and the shapes Nix versions give the same answer
-in (2.8 on Debian 12, 2.26 on Debian 13). Every case runs real Nix on the
-misconfiguration, except where a comment says what could not be made."""
+in (2.8 on Debian 12, 2.26 on Debian 13, 2.34 on Debian testing). Every case
+runs real Nix on the misconfiguration, except where a comment says what could
+not be made."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import nix_fixtures
 import pytest
-from nix_fixtures import NIX_CONFIG, nix_daemon_client, trainer
+from nix_fixtures import NIX_CONFIG, SANDBOX_LENT, nix_daemon_client, sandbox_paths, trainer
 
 from prepare import nix as nix_mod
 from prepare.build import build
@@ -99,12 +101,14 @@ def test_an_enterable_stage_is_left_as_it_is():
         assert nix_mod.build_tmpdir({"TMPDIR": "/nonexistent"}) is None
 
 
+# prepare is imported before the mounts: a checkout under /tmp would be
+# hidden by them.
 _NO_ENTERABLE_TMP = """
 import os, subprocess, sys
-for d in ("/tmp", "/var/tmp"):
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "tmpfs", d], check=True)
 from prepare import nix
 from prepare.fail import Fail
+for d in ("/tmp", "/var/tmp"):
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "tmpfs", d], check=True)
 try:
     print(nix.build_tmpdir({"TMPDIR": "/tmp"}))
 except Fail as fail:
@@ -159,6 +163,47 @@ def test_a_flake_build_that_cannot_find_its_tools_in_the_sandbox_blames_the_flak
     assert "flake" in fix and "sandbox" in fix and "training source" not in fix
 
 
+_WHICH_SHELL = """{
+  outputs = { self }: {
+    shell = derivation {
+      name = "which-shell-NONCE";
+      system = "SYSTEM";
+      builder = "/bin/sh";
+      args = [ "-c" "PATH=/usr/bin:/bin; sha256sum /bin/sh | cut -d ' ' -f 1 > $out" ];
+    };
+  };
+}
+"""
+
+
+def test_the_shell_lent_to_the_sandbox_is_the_one_its_builders_run(nix_env, tmp_path, monkeypatch):
+    """The tests' sandbox-paths lend the host's /bin/sh, and the builder
+    gets that shell, not the box's default (Debian's 2.26 and 2.34 build in
+    /usr/bin/bash-static, which 2.34 keeps over an `extra-sandbox-paths`
+    entry for /bin/sh)."""
+    _root_only()
+    import hashlib
+
+    flake = tmp_path / "shell"
+    flake.mkdir()
+    (flake / "flake.nix").write_text(_WHICH_SHELL.replace("NONCE", _nonce()).replace("SYSTEM", nix_mod.system()))
+    monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + "sandbox = true\n")
+    runner = Nix(str(tmp_path / "state"))
+    (tmp_path / "state").mkdir()
+    results, _ = runner.build([f"path:{flake}#shell"], out_link=None)
+    seen = Path(results[0]["outputs"]["out"]).read_text().strip()
+    assert seen == hashlib.sha256(Path(os.path.realpath("/bin/sh")).read_bytes()).hexdigest()
+
+
+def test_the_sandbox_paths_keep_the_boxs_own_entries_that_the_lent_ones_do_not_replace(monkeypatch):
+    box = ["/bin/sh=/usr/bin/bash-static", "/run/binfmt?", "/usr/lib/locale=/srv/locale", "/usr-extra"]
+    monkeypatch.setattr(nix_fixtures, "box_sandbox_paths", lambda: box)
+    lent = ["/bin/sh=/usr/bin/dash", "/usr"]
+    assert sandbox_paths(lent).split() == ["/run/binfmt?", "/usr-extra", "/bin/sh=/usr/bin/dash", "/usr"]
+    # the lent list itself: a shell, /usr, and what the host's loader needs
+    assert SANDBOX_LENT[1] == "/usr" and (SANDBOX_LENT[0] == "/bin" or SANDBOX_LENT[0].startswith("/bin/sh=/"))
+
+
 def test_a_failing_training_build_still_blames_the_training_source(nix_env, test_flake, git_source, tmp_path):
     src = git_source(trainer(build="echo no compiler here >&2; exit 4", nonce=_nonce()))
     spec = _cpu_spec(test_flake, src.url, tmp_path)
@@ -182,6 +227,21 @@ def test_a_failing_training_build_still_blames_the_training_source(nix_env, test
         (
             {"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1},
             {"drvPath": "/nix/store/b.drv", "outputs": {"out": "/nix/store/b"}, "startTime": 1},
+        ),
+        # 2.26 and 2.34: a derivation built by this call, with its times
+        (
+            {
+                "drvPath": "/nix/store/b.drv",
+                "outputs": {"out": "/nix/store/b"},
+                "startTime": 1796155525,
+                "stopTime": 1796155526,
+            },
+            {
+                "drvPath": "/nix/store/b.drv",
+                "outputs": {"out": "/nix/store/b"},
+                "startTime": 1796155525,
+                "stopTime": 1796155526,
+            },
         ),
     ],
 )

@@ -226,7 +226,7 @@ def test_a_second_attempt_with_nothing_changed_builds_and_downloads_nothing(env,
 def test_the_example_builds_with_the_hosts_cargo_with_the_sandbox_on_and_off(env, torch_flake, tmp_path, sandbox):
     # A source the store has never seen, so this really builds.
     tree = example_copy(tmp_path / "example", nonce=f"sandbox={sandbox} {time.time_ns()}")
-    config = env["NIX_CONFIG"] + f"\nsandbox = {sandbox}\nextra-sandbox-paths = {sandbox_paths()}\n"
+    config = env["NIX_CONFIG"] + f"\nsandbox = {sandbox}\nsandbox-paths = {sandbox_paths()}\n"
 
     built = build({**env, "NIX_CONFIG": config}, torch_flake, tree, tmp_path, **example_recipe())
     ran = smoke(f"{built['training']}/bin/train")

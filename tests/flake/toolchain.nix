@@ -7,8 +7,8 @@
 # (Debian 12's nix-bin) they simply see them; with one (Debian 13 and NixOS
 # ship `sandbox = true`) the host must lend them to the sandbox, as the tests
 # and scripts/demo do:
-#   extra-sandbox-paths = /bin/sh=<the real /bin/sh> /usr /lib /lib64 /etc/alternatives
-# (tests/nix_fixtures.py `sandbox_paths`; /etc/alternatives is where
+#   sandbox-paths = /bin/sh=<the real /bin/sh> /usr /lib /lib64 /etc/alternatives
+# (tests/nix_fixtures.py `SANDBOX_LENT`; /etc/alternatives is where
 # Debian's c++ and cc point). Without that, every build here fails with
 # "mkdir: command not found", which fdl-prepare names as the flake's
 # failure, not the training source's.
