@@ -129,7 +129,7 @@ def _host_libraries(notes: list[str]) -> list[Library] | None:
         done = proc.run(
             [ldconfig, "-p"], timeout=_LDCONFIG_TIMEOUT_S, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
         )
-    except (proc.Missing, proc.TimedOut) as err:
+    except (proc.ExecFailed, proc.TimedOut) as err:
         notes.append(f"driver directory not kept: `{ldconfig} -p` failed ({err})")
         return None
     if not done.ok:

@@ -93,6 +93,7 @@ Reason = Literal[
     "smoke.loader",
     "smoke.timeout",
     "smoke.failed",
+    "smoke.confinement",
     # fdl-prepare publish
     "publish.invalid",
     "publish.tree-unwritable",

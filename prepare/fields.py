@@ -95,6 +95,27 @@ def _is_int(value: Any) -> bool:
 # none of those can hold a NUL (the kernel's strings end at it).
 _NUL = "contains a NUL character (\\u0000), which no path, URL or command line can hold: remove it"
 
+# The longest values taken, well under what the kernel takes on a command
+# line (MAX_ARG_STRLEN, 128 KiB an argument; ARG_MAX, at least 128 KiB for
+# all of them and the environment): a value past these is refused by name
+# here, not by execve as E2BIG (which would read as a program missing). A
+# run manifest's arguments are held to the same (prepare.manifest).
+MAX_URL_BYTES = 4 << 10
+MAX_STRING_BYTES = 16 << 10
+MAX_LIST_BYTES = 64 << 10
+LIMITS = "4 KiB a URL, 16 KiB any other value, 64 KiB a list in all"
+
+
+def too_long(value: str, limit: int, what: str = "value") -> str | None:
+    """A problem when `value` is longer than `limit` bytes (UTF-8)."""
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size <= limit:
+        return None
+    return (
+        f"is {size} bytes long, past the {limit // 1024} KiB a {what} may be (fdl-prepare's limits: {LIMITS}, well "
+        "under what the kernel takes on a command line): shorten it"
+    )
+
 
 def _string(value: Any) -> str | None:
     if not isinstance(value, str):
@@ -103,7 +124,11 @@ def _string(value: Any) -> str | None:
         return "expected a non-empty string; leave it out to keep it unset"
     if "\0" in value:
         return _NUL
-    return None
+    return too_long(value, MAX_STRING_BYTES)
+
+
+def _url(value: Any) -> str | None:
+    return _string(value) or too_long(value, MAX_URL_BYTES, "URL")
 
 
 def _boolean(value: Any) -> str | None:
@@ -219,13 +244,20 @@ def _show_short(value: Any) -> str:
 def _strings(value: Any, example: str = '["ServerAliveInterval=15"]') -> str | None:
     if not isinstance(value, (list, tuple)):
         return f"expected an array of strings such as {example}, got {kind_of(value)}"
-    for item in value:
+    total = 0
+    for index, item in enumerate(value):
         if not isinstance(item, str):
-            return f"expected an array of strings, but {show(item)} is {kind_of(item)}"
+            return f"expected an array of strings, but {_show_short(item)} is {kind_of(item)}"
         if not item.strip():
             return "expected non-empty strings, got an empty one"
         if "\0" in item:
-            return f"{show(item)} {_NUL}"
+            return f"{_show_short(item)} {_NUL}"
+        long = too_long(item, MAX_STRING_BYTES, "list item")
+        if long:
+            return f"item {index} {long}"
+        total += len(item.encode("utf-8", "surrogatepass")) + 1
+    if total > MAX_LIST_BYTES:
+        return f"holds {total} bytes in all, past the {MAX_LIST_BYTES // 1024} KiB a list may (limits: {LIMITS})"
     return None
 
 
@@ -240,6 +272,9 @@ def store_urls(value: Any) -> str | None:
     for item in value:
         if not isinstance(item, str):
             return f"expected an array of store URLs, but {show(item)} is {kind_of(item)}"
+        long = too_long(item, MAX_URL_BYTES, "URL")
+        if long:
+            return f"{_show_short(redact(item))} {long}"
         found = credentials(item)
         if found is not None:
             return (
@@ -372,10 +407,10 @@ class Kind:
     show: Callable[[Any], str] = show
 
 
-STRING = Kind("string", _string, str)
+STRING = Kind("string", _string, str, show=lambda v: _show_short(v))
 # A URL handed to Nix: surrounding spaces (easy to leave in a hand-edited file
 # or a join loop's string) would reach `nix flake prefetch` as part of it.
-URL = Kind("url", _string, str, to_spec=_stripped, show=lambda v: redact(show(v)))
+URL = Kind("url", _url, str, to_spec=_stripped, show=lambda v: _show_short(redact(show(v))))
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
@@ -388,9 +423,20 @@ LIST_SECONDS = Kind(
 BUILD_SECONDS = Kind(
     "seconds", _seconds_within(1, 30 * 86400, "a second to 30 days"), float, example="3600", to_spec=float
 )
+# Loading libtorch and waking a GPU takes seconds: under one, every attempt
+# would time out, transient for ever; past a day, a wedged run holds the box.
+SMOKE_SECONDS = Kind("seconds", _seconds_within(1, 86400, "a second to a day"), float, example="60", to_spec=float)
 ABSOLUTE_PATH = Kind("absolute path", _absolute_path, str)
 SSH_HOST = Kind("ssh host", _ssh_target, str)
 SSH_USER = Kind("ssh user", _ssh_user, str)
+
+
+def _smoke_user(value: Any) -> str | None:
+    problem = _ssh_target(value)
+    return problem.replace("host name", "user name") if problem else None
+
+
+SMOKE_USER = Kind("user", _smoke_user, str)
 DEVICES = Kind(
     "devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple, show=lambda v: _show_short(v)
 )
@@ -592,10 +638,21 @@ FIELDS: tuple[Field, ...] = (
         key="smoke_timeout",
         flag="--smoke-timeout",
         spec="smoke_timeout_s",
-        kind=SECONDS,
+        kind=SMOKE_SECONDS,
         metavar="SECONDS",
         default=60.0,
         help="Stop the smoke run of the built binary after this long (transient). Default: 60.",
+    ),
+    Field(
+        key="smoke_user",
+        flag="--smoke-user",
+        spec="smoke_user",
+        kind=SMOKE_USER,
+        metavar="USER",
+        default="nobody",
+        nix="nullOr str",
+        help="The unprivileged user the smoke run runs as when fdl-prepare is root (never root itself); it gets "
+        "only the render and video groups for the GPUs, no capabilities and a clean environment. Default: nobody.",
     ),
     Field(
         key="refresh",

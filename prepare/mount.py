@@ -291,6 +291,10 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
         done = _run_sshfs(argv, mountpoint, notes)
     except proc.Missing:
         raise _no_sshfs(source) from None
+    except proc.ExecFailed as failed:
+        raise transient(
+            f"{where}: sshfs could not be started ({failed}); the next attempt retries", reason="data.unreachable"
+        ) from None
     except proc.TimedOut as late:
         # sshfs puts the FUSE mount in place before its ssh has finished
         # connecting; killed now, it leaves a mount that answers ENOTCONN
@@ -317,7 +321,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
             # again, verbosely: those are the ones with a reason to give.
             try:
                 again = _run_sshfs(verbose, mountpoint, [])
-            except (proc.Missing, proc.TimedOut):
+            except (proc.ExecFailed, proc.TimedOut):
                 again = None
             if again is not None and again.ok and _is_sshfs_at(mountpoint):
                 return
@@ -404,7 +408,7 @@ def _unmount(mountpoint: str) -> None:
         try:
             if proc.run(argv, timeout=MOUNT_TIMEOUT_S).ok:
                 return
-        except (proc.Missing, proc.TimedOut):
+        except (proc.ExecFailed, proc.TimedOut):
             continue
     raise transient(
         f"{mountpoint} carries a dead sshfs mount (transport endpoint not connected) that could not "

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from prepare import caches, human, proc, state
 from prepare.fail import Fail, Reason, permanent, transient
+from prepare.fields import LIMITS
 from prepare.nix_diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix_log import Log, strip_ansi
 
@@ -161,8 +162,28 @@ class Nix:
     def _start(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Running:
         try:
             return proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
-        except proc.Missing:
-            raise self._missing() from None
+        except proc.ExecFailed as failed:
+            raise self._not_started(argv, failed) from None
+
+    def _not_started(self, argv: Sequence[str], failed: proc.ExecFailed) -> Fail:
+        """Why a nix call could not be started, by cause: nix missing, a
+        command line the kernel refuses, or a box out of processes."""
+        if isinstance(failed, proc.Missing):
+            return self._missing()
+        if isinstance(failed, proc.TooLong):
+            size = sum(len(str(a).encode()) + 1 for a in argv)
+            longest = max((len(str(a).encode()) for a in argv), default=0)
+            return permanent(
+                f"the nix command line is {human.size(size)} (its longest argument {human.size(longest)}), which the "
+                f"kernel refuses (E2BIG): a URL or argument past what a program can be given. fdl-prepare takes "
+                f"URLs of up to {LIMITS}; shorten the flake (--flake), source.from (--source) or nix.substituters "
+                "(--substituter) value",
+                reason="config.invalid",
+            )
+        return transient(
+            f"nix could not be started ({failed}): the box is short of processes or memory; the next attempt retries",
+            reason="nix.unknown",
+        )
 
     def _missing(self) -> Fail:
         path = (self.env or os.environ).get("PATH", "")
@@ -180,8 +201,8 @@ class Nix:
             raise self._missing()
         try:
             version = _version(resolved, self.env, os.path.join(self.state_dir, "nix-version.json"))
-        except proc.Missing:
-            raise self._missing() from None
+        except proc.ExecFailed as failed:
+            raise self._not_started([resolved, "--version"], failed) from None
         if version[:2] < OLDEST:
             raise permanent(
                 f"nix {'.'.join(map(str, version))} at {resolved} is older than {'.'.join(map(str, OLDEST))}, the "

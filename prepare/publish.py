@@ -429,6 +429,8 @@ def _git(root: str, *args: str, timeout: float = GIT_TIMEOUT_S) -> proc.Complete
             f"{root} is a git checkout but git is not installed: `sudo apt-get install git`",
             reason="publish.git-missing",
         ) from None
+    except proc.ExecFailed as failed:
+        raise transient(f"git could not be started ({failed}); publish again", reason="publish.git-timeout") from None
     except proc.TimedOut:
         raise transient(
             f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s", reason="publish.git-timeout"
