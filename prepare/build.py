@@ -318,8 +318,7 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
     session.gpus = gpus
     known = None if spec.refresh else record_mod.load(session.state)
     _start_source_fetch(session, known)
-    identity = session.nix.flake_identity(flake)
-    session.flake_key = None if identity is None else record_mod.key(identity, system, CONTRACT)
+    lock_flake(session)
     if session.flake_key is None:
         known = None
     if spec.libtorch is None and not spec.cpu_only:
@@ -335,6 +334,23 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
         session.variants_raw = evaluate_variants(session)
     variants = variants_mod.parse_variants(session.variants_raw, flake)
     return variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, flake, session.notes)
+
+
+def lock_flake(session: Session) -> None:
+    """Resolve the flake once (`nix flake metadata`) and pin the attempt to
+    it: the warm-path key comes from that resolution, and every evaluation
+    and build after it names the locked reference it returned, never the
+    flake's own URL, which could resolve to another tree a moment later (a
+    flake changed between the two, then rolled back, would otherwise leave
+    the other tree's outputs recorded under this one's key). A flake whose
+    resolution cannot be told is evaluated by its URL, and nothing is
+    recorded for it."""
+    identity = session.nix.flake_identity(session.flake)
+    if identity is None:
+        session.flake_key = None
+        return
+    session.flake_key = record_mod.key(identity.key, session.system, CONTRACT)
+    session.fdl = f"{identity.locked_url}#legacyPackages.{session.system}.fdl"
 
 
 def _predicted(session: Session, known: record_mod.Record, gpus: Gpus | None) -> variants_mod.Variant | None:

@@ -33,6 +33,7 @@ Reason = Literal[
     "gpu.driver-mismatch",
     "gpu.driver-too-old",
     "gpu.driver-dir-unwritable",
+    "gpu.driver-dir-untrusted",
     "gpu.no-access",
     "gpu.not-ready",
     "gpu.nvml-failed",

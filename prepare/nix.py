@@ -99,6 +99,14 @@ class Prefetched:
         return f"path:{self.store_path}?narHash={quote(self.nar_hash, safe='')}"
 
 
+@dataclass(frozen=True)
+class FlakeIdentity:
+    """A flake as `nix flake metadata` resolved it (Nix.flake_identity)."""
+
+    key: str
+    locked_url: str
+
+
 @dataclass
 class Outcome:
     """A finished nix call: its result and what the log said."""
@@ -228,7 +236,7 @@ class Nix:
         argv += ["--", installable]
         outcome = self._call(argv, timeout, doing or f"evaluating {installable}", EVALUATION, fix=fix)
         try:
-            return json.loads(outcome.completed.stdout)
+            return _json(outcome.completed)
         except (ValueError, RecursionError):
             raise permanent(
                 f"{doing or 'evaluating ' + installable}: nix printed no JSON "
@@ -271,14 +279,19 @@ class Nix:
 
         def finish() -> Prefetched:
             outcome = self._finish(running, log, doing, FETCH, unreachable=unreachable)
+            if outcome.completed.stdout_cut:
+                return _prefetched(url, "", doing)
             return _prefetched(url, outcome.completed.stdout, doing)
 
         return PendingFetch(finish, running.stop)
 
-    def flake_identity(self, flake: str, *, timeout: float = FETCH_TIMEOUT_S) -> str | None:
+    def flake_identity(self, flake: str, *, timeout: float = FETCH_TIMEOUT_S) -> FlakeIdentity | None:
         """What decides the flake's outputs, without evaluating them: the
-        flake resolved and locked (`nix flake metadata`), as one string, or
-        None when that cannot be told (the call failed, or the flake's tree
+        flake resolved and locked (`nix flake metadata`), as one string, and
+        the locked reference it was read from (its `url`: the tree by NAR
+        hash or revision), which every later call of the attempt evaluates
+        and builds, so what is recorded under the key is what the key came
+        from even if the flake changes meanwhile. None when that cannot be told (the call failed, or the flake's tree
         or one of its inputs has no content hash, e.g. a dirty git tree on
         some versions). None only ever means "evaluate as usual": a failure
         here is the evaluation's to report, with its own words and kind.
@@ -292,7 +305,7 @@ class Nix:
         argv = self._common() + ["flake", "metadata", "--json", "--no-write-lock-file", "--", flake]
         try:
             completed = self._run(argv, timeout, Log())
-            data = json.loads(completed.stdout) if completed.returncode == 0 else None
+            data = _json(completed) if completed.returncode == 0 else None
         except (proc.TimedOut, ValueError, RecursionError):
             return None
         if not isinstance(data, dict) or not isinstance(data.get("locked"), dict):
@@ -311,7 +324,12 @@ class Nix:
                     return None
                 inputs[name] = {k: v for k, v in locked.items() if k != "lastModified"}
         flake_locked = {k: v for k, v in data["locked"].items() if k != "lastModified"}
-        return json.dumps({"flake": flake_locked, "inputs": inputs}, sort_keys=True)
+        locked_url = data.get("url")
+        # A reference the later calls can take as it is: one URL, no fragment.
+        if not isinstance(locked_url, str) or not locked_url or any(c.isspace() or c in "#\0" for c in locked_url):
+            return None
+        key = json.dumps({"flake": flake_locked, "inputs": inputs}, sort_keys=True)
+        return FlakeIdentity(key=key, locked_url=locked_url)
 
     def build(
         self,
@@ -346,7 +364,7 @@ class Nix:
         wall = None if timeout_s is None else timeout_s + BUILD_GRACE_S
         outcome = self._call(argv, wall, doing, BUILD, source_path=source_path)
         try:
-            results = [build_result(r) for r in json.loads(outcome.completed.stdout)]
+            results = [build_result(r) for r in _json(outcome.completed)]
         except (ValueError, TypeError, RecursionError):
             raise transient(
                 f"{doing}: nix build printed no JSON result of a known shape "
@@ -419,6 +437,14 @@ class Nix:
                 phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable
             )
         return outcome
+
+
+def _json(completed: proc.Completed) -> Any:
+    """A call's JSON; ValueError when it printed more than is kept
+    (proc.OUTPUT_BYTES), which no answer of Nix's to us is."""
+    if completed.stdout_cut:
+        raise ValueError(f"nix printed over {human.size(proc.OUTPUT_BYTES)} on stdout")
+    return json.loads(completed.stdout)
 
 
 class PendingFetch:
