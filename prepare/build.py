@@ -314,7 +314,7 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
     """Step 4: the libtorch variant, and its arch coverage of the offered
     cards, from the flake's metadata by evaluation: nothing is fetched or
     built before a card the variant ships no kernel for is refused."""
-    spec, flake, system = session.spec, session.flake, session.system
+    spec, flake = session.spec, session.flake
     session.gpus = gpus
     known = None if spec.refresh else record_mod.load(session.state)
     _start_source_fetch(session, known)

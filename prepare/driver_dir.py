@@ -360,7 +360,9 @@ def _open_directory(directory: str, libraries: Sequence[Library]) -> int:
                 child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             except OSError as err:
                 if err.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise _refused(directory, f"leads through {current}, which changed while it was opened", "retry")
+                    raise _refused(
+                        directory, f"leads through {current}, which changed while it was opened", "retry"
+                    ) from None
                 raise
             os.close(fd)
             fd = child
