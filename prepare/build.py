@@ -46,6 +46,7 @@ its cwd.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -450,8 +451,10 @@ def build_outputs(
     passed as a flake input), with GC roots under the state directory,
     named `<state>/gcroots/<link>*` (a publish keeps one set per variant).
     Only prepare's own set (`run`) is recorded for the warm path."""
-    out_link = os.path.join(session.state, "gcroots", link)
     warm = link == "run"
+    if warm and source is not None:
+        link = run_links(source.fetched.url)
+    out_link = os.path.join(session.state, "gcroots", link)
     flake_input = None if source is None else source.recipe.flake_input(variant.label, CONTRACT)
     plan_key = _plan_key(session, variant, source, flake_input) if warm else None
     known = session.record
@@ -491,6 +494,14 @@ def build_outputs(
         record_mod.forget(session.state)
     caches.note(log, session.spec.nix.substituters, session.notes)
     return built
+
+
+def run_links(source_url: str) -> str:
+    """The name of a prepare's out-links (`<state>/gcroots/<name>`, `-1`,
+    ...): one set per training source. A prepare of another source on the
+    same state directory (two join loops on one box) replaces and prunes
+    only its own set, never the roots of the binary the other reported."""
+    return "run." + hashlib.sha256(source_url.encode()).hexdigest()[:16]
 
 
 def _plan_key(

@@ -352,6 +352,22 @@ def test_a_build_without_a_source_builds_libtorch_only(nix_env, test_flake, stat
     assert os.path.realpath(os.path.join(state_dir, "gcroots", "run")) == got.libtorch.path
 
 
+def test_prepares_of_two_sources_on_one_state_directory_never_prune_each_others_roots(
+    nix_env, test_flake, state_dir, git_source
+):
+    # Two join loops on one box, each with its own training source: the
+    # second must not take the roots of the binary the first reported.
+    first, _ = run(spec(test_flake, state_dir, git_source(trainer()).url))
+    other = git_source(trainer(build="printf '#!/bin/sh\\necho other\\n' > train && chmod +x train"))
+    second, _ = run(spec(test_flake, state_dir, other.url))
+    assert first.bin is not None and second.bin is not None and first.bin != second.bin
+    roots = os.path.join(state_dir, "gcroots")
+    held = {os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
+    for got in (first, second):
+        assert got.bin is not None
+        assert {os.path.dirname(os.path.dirname(got.bin.path)), got.bin.cwd} <= held
+
+
 def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, state_dir, git_source):
     src = git_source(trainer())
     got, _ = run(spec(test_flake, state_dir, src.url))
