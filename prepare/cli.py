@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ import typer
 
 from prepare.fail import Fail
 from prepare.fields import TABLE, Field, Table, nest
+from prepare.human import printable
 from prepare.notes import print_notes
 from prepare.redact import redact
 
@@ -250,7 +252,7 @@ def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) 
         if fail.permanent
         else "the next attempt may succeed: retry with backoff"
     )
-    print(f"{name}: {fail.kind} failure: {message}", file=sys.stderr)
+    print(f"{name}: {fail.kind} failure: {printable(message, lines=True)}", file=sys.stderr)
     print(f"{name}: exit {code}: {then}", file=sys.stderr)
     return code
 
@@ -304,13 +306,14 @@ def _summary(done: Any, seconds: float) -> None:
     if done.bin is not None:
         rows.append(("bin", f"{done.bin.path}  (cwd {done.bin.cwd})"))
     if done.args is not None:
-        rows.append(("args", " ".join(done.args)))
+        rows.append(("args", shlex.join(done.args)))
     if done.run_id is not None:
         rows.append(("run", done.run_id))
     err = sys.stderr
     print(f"{NAME}: prepared in {seconds:.2f}s", file=err)
+    # The run's values come from its manifest: escaped, one line each.
     for key, value in rows:
-        print(f"  {key:<9} {value}", file=err)
+        print(f"  {key:<9} {printable(value)}", file=err)
 
 
 def gpus(

@@ -282,6 +282,16 @@ def store_urls(value: Any) -> str | None:
                 "command line (`ps` shows it to every user): remove it, treat it as leaked, and give Nix the "
                 "credential in a netrc file (`netrc-file = /etc/nix/netrc` in nix.conf, mode 0600)"
             )
+        from prepare.caches import weakens_signatures
+
+        weak = weakens_signatures(item)
+        if weak is not None:
+            return (
+                f"{redact(show(item))} sets {weak}, which makes Nix take paths from that store without a signature "
+                "from a trusted key: anything the store (or whoever reaches it) serves would be run as root. Remove "
+                "it: `fdl-prepare publish` signs what it pushes, and boxes trust its public key "
+                "(nix.trusted_public_keys, --trusted-public-key)"
+            )
         # Nix splits the setting on whitespace: one URL with a space would
         # reach it as two, neither of them the cache meant.
         if not _STORE_URL.fullmatch(item.strip()) or "\0" in item:

@@ -317,22 +317,26 @@ def _span(seconds: int) -> str:
 
 
 def notes_for(recipe: Recipe, manifest: Manifest | None, now: float) -> list[str]:
-    """What an operator wants to know about the publish this box will run."""
+    """What an operator wants to know about the publish this box will run.
+    The manifest's strings are the publisher's: escaped, so that a `run`
+    or `origin` can neither forge a line of ours nor drive a terminal."""
     if manifest is None:
         return [f"no run manifest ({FILENAME}): building with the box's own recipe (bin {recipe.bin!r})"]
-    parts = [f"run {recipe.run_id}" if recipe.run_id else "run manifest without a run id"]
+    run_id = human.printable(recipe.run_id) if recipe.run_id else None
+    parts = [f"run {run_id}" if run_id else "run manifest without a run id"]
     if recipe.published_epoch is not None:
         parts.append(f"published {age(recipe.published_epoch, now)}")
     if recipe.origin:
-        parts.append(f"from {recipe.origin}")
+        parts.append(f"from {human.printable(recipe.origin)}")
     out = [", ".join(parts)]
     if recipe.built is False:
         out.append(
-            f"run {recipe.run_id or '(no id)'} was NOT built by the controller (built = false in {FILENAME}): "
+            f"run {run_id or '(no id)'} was NOT built by the controller (built = false in {FILENAME}): "
             "this box's build is the first one"
         )
     if manifest.unknown:
-        out.append(f"{FILENAME} has keys this fdl-prepare does not know, ignored: {', '.join(manifest.unknown)}")
+        unknown = ", ".join(human.printable(k) for k in manifest.unknown)
+        out.append(f"{FILENAME} has keys this fdl-prepare does not know, ignored: {unknown}")
     return out
 
 

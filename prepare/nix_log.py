@@ -92,6 +92,12 @@ class Activity:
         return strip_ansi(self.text)
 
 
+def _keep(kept: list[str], text: str) -> None:
+    kept.append(text)
+    if len(kept) > MAX_MESSAGES:
+        del kept[0]
+
+
 def _is_fetching(act: Activity) -> bool:
     """An untyped activity whose text says it is fetching something: shown
     as a download, like a typed file transfer."""
@@ -108,8 +114,9 @@ class Log:
     def __init__(self, on_event: Progress | None = None) -> None:
         self.on_event = on_event
         self.activities: dict[int, Activity] = {}
-        self.errors: deque[str] = deque(maxlen=MAX_MESSAGES)
-        self.warnings: deque[str] = deque(maxlen=MAX_MESSAGES)
+        # The last MAX_MESSAGES of each (`_keep`).
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
         # stderr lines that are not records: git's and ssh's own messages
         # during a fetch, the only place the cause of a failed fetch is named.
         self.other: deque[str] = deque(maxlen=40)
@@ -158,9 +165,9 @@ class Log:
             # and "disabling binary cache" is printed as one: they say so.
             daemon_warning = text.startswith("warning:") or text.startswith("disabling binary cache")
             if level == 0 and text and not text.startswith("(use '--show-trace'") and not daemon_warning:
-                self.errors.append(text)
+                _keep(self.errors, text)
             elif level <= 1 and text:
-                self.warnings.append(text)
+                _keep(self.warnings, text)
 
     def _start(self, record: dict[str, Any]) -> None:
         act = Activity(

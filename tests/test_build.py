@@ -294,6 +294,18 @@ def test_a_builder_that_exits_3_is_transient_and_shows_its_log(nix_env, test_fla
     assert done and done[-1]["outcome"] == "failed"
 
 
+def test_a_flake_error_holding_terminal_escapes_is_permanent_and_quoted_escaped(nix_env, make_flake, state_dir):
+    # Text from Nix reaches the operator's terminal only as text: an OSC
+    # sequence (retitles a terminal window), a bell, a right-to-left override.
+    flake = make_flake(
+        flake_nix='{ outputs = { self }: { legacyPackages = throw "bad\x1b]0;owned\x07 flake\u202eekalf"; }; }\n'
+    )
+    fail = expect_fail(spec(flake, state_dir))
+    assert fail.permanent and fail.reason == "nix.evaluation"
+    assert all(c not in fail.message for c in ("\x1b", "\x07", "\u202e"))
+    assert "bad\\x1b]0;owned\\x07 flake\\u202eekalf" in fail.message
+
+
 def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, git_source):
     from dataclasses import replace
 

@@ -368,6 +368,7 @@ WRONG_TYPES = [
     ("join", "flake", '{ url = "x" }', ["expected a string, got a table"]),
     ("join", "driver_dir", "false", ["expected a string"]),
     ("join", "smoke_timeout", "0", ["greater than 0"]),
+    ("join", "smoke_user", "65534", ["expected a string", 'smoke_user = "65534"']),
     ("join.source", "smoke", '"--smoke"', ['expected an array of strings such as ["--smoke"]', 'smoke = ["--smoke"]']),
     ("join", "state_dir", "1979-05-27", ["expected a string, got a date/time"]),
     ("join", "list_timeout", '"30"', ["expected a number", "list_timeout = 30"]),
