@@ -81,6 +81,11 @@ _BAD_URL = (
     r"getting status of '[^']*/[a-z][a-z0-9+.-]*:[^']*': no such file or directory"
 )
 _TIMEOUT = r"timed out after \d+ seconds"
+# ssh (under git, for a git+ssh source or input) refusing the far side's
+# host key: none known and strict checking on (BatchMode cannot ask), or
+# another than known_hosts holds. A person must check and record the key;
+# retrying fetches nothing. Checked before the fetch fallback.
+_HOST_KEY = r"host key verification failed|remote host identification has changed|no \S+ host key is known for"
 # A cache that says no, or a URL that names no store Nix can write: no retry
 # changes either. 2.8 and 2.26 word these alike.
 _CACHE_REFUSED = (
@@ -111,7 +116,8 @@ def _pattern(source: str) -> re.Pattern[str]:
 @dataclass(frozen=True)
 class Diagnosis:
     # hash-mismatch, no-space, build-users, daemon-refused, store-permission, build-dir, daemon, timeout,
-    # builder, flake-builder, bad-url, fetch, evaluation, unknown; a publish's: signing, cache-refused, cache
+    # builder, flake-builder, bad-url, host-key, fetch, evaluation, unknown; a publish's: signing,
+    # cache-refused, cache
     category: str
     permanent: bool
     detail: str
@@ -167,6 +173,8 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
         return Diagnosis("builder", False, detail)
     if log.errors and _pattern(_BAD_URL).search(text):
         return Diagnosis("bad-url", True, detail)
+    if _pattern(_HOST_KEY).search(text) or _pattern(_HOST_KEY).search("\n".join(log.other)):
+        return Diagnosis("host-key", True, detail)
     if _pattern(_FETCH).search(text) or _pattern(_FETCH).search("\n".join(log.other)):
         return Diagnosis("fetch", False, detail)
     if not log.errors:
@@ -223,6 +231,10 @@ _FIXES = {
     "bad-url": "Nix cannot parse the URL quoted above, and no retry will: correct source.from in [join.source] "
     "(--source) or flake (--flake), whichever it is (or the input the flake declares with it)",
     "fetch": "check the network, the URL and its ref; the next attempt retries",
+    "host-key": "ssh refused the git host's key (unknown to known_hosts, or another than it holds), and no retry "
+    "records one: compare `ssh-keyscan [-p PORT] HOST` (`| ssh-keygen -lf -` for its fingerprints) with the key "
+    "the host's operator gives, then add it to the known_hosts file of the user fdl-prepare runs as (root: "
+    "/root/.ssh/known_hosts; `ssh-keygen -R HOST` first drops a changed one)",
     "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
     "unknown": "the next attempt retries",
     "signing": "check that --signing-key names a Nix secret key file (`nix key generate-secret --key-name NAME "
@@ -251,6 +263,7 @@ REASONS: dict[str, Reason] = {
     "flake-builder": "nix.flake-build-failed",
     "bad-url": "nix.bad-url",
     "fetch": "nix.fetch",
+    "host-key": "nix.host-key",
     "evaluation": "nix.evaluation",
     "unknown": "nix.unknown",
     "signing": "publish.signing-failed",
