@@ -48,6 +48,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
+import stat
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -241,8 +244,12 @@ class Session:
         self._held = ExitStack()
         try:
             self._held.enter_context(_locked(state, lock_wait_s(spec.build_timeout_s), step, notes))
+            # Under the lock: the directory a killed attempt left is this
+            # state directory's to remove, and no other attempt is using it.
+            self._held.enter_context(_nix_tmp(state, nix))
         except BaseException:
             # The wait may have started the display (it says whom it waits for).
+            self._held.close()
             step.end()
             raise
 
@@ -257,6 +264,66 @@ class Session:
             self._held.close()
         finally:
             self.step.end()
+
+
+# Nix's TMPDIR for one attempt: a directory of its own under the box's, so
+# that what a build leaves there (`nix-build-<drv>-<n>`, a copy of the
+# source) goes with the attempt, and, when a SIGKILL left it, with the next.
+NIX_TMP_PREFIX = "fdl-prepare-nix."
+NIX_TMP_RECORD = "nix-tmp"
+
+
+@contextmanager
+def _nix_tmp(state: str, nix: nix_mod.Nix) -> Iterator[None]:
+    """Give `nix` a TMPDIR of this attempt's own under the one it has, its
+    path recorded in <state>/nix-tmp; remove the one a killed attempt left
+    first, and this one at the end. Where none can be made (the TMPDIR is
+    full), nix keeps its own: the build then says what is full."""
+    base = (nix.env if nix.env is not None else os.environ).get("TMPDIR") or "/tmp"
+    record = os.path.join(state, NIX_TMP_RECORD)
+    _remove_left_tmp(record)
+    try:
+        made = tempfile.mkdtemp(prefix=NIX_TMP_PREFIX, dir=base)
+        # Nix's build users enter it (a single-user Nix as root builds as them).
+        os.chmod(made, 0o755)
+        state_mod.write_file(record, made.encode(), "state directory")
+    except OSError:
+        yield
+        return
+    nix.env = {**(nix.env if nix.env is not None else os.environ), "TMPDIR": made}
+    nix.build_dir = base
+    try:
+        yield
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(record)
+
+
+def _remove_left_tmp(record: str) -> None:
+    """The directory an earlier attempt recorded and did not remove (it was
+    killed): removed when it is still one of ours (a real directory of this
+    user's, with our name), never through a link."""
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            left = handle.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        st = os.lstat(left)
+        if (
+            os.path.isabs(left)
+            and os.path.basename(left).startswith(NIX_TMP_PREFIX)
+            and stat.S_ISDIR(st.st_mode)
+            and st.st_uid == os.geteuid()
+        ):
+            shutil.rmtree(left, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.unlink(record)
 
 
 @dataclass(frozen=True)

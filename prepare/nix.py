@@ -141,6 +141,9 @@ class Nix:
         self.registry = os.path.join(state_dir, "flake-registry.json")
         self.substituters = tuple(substituters)
         self.trusted_public_keys = tuple(trusted_public_keys)
+        # The TMPDIR the box gave, where nix builds (under a directory of
+        # the attempt's own, prepare.build): what a full disk names.
+        self.build_dir: str | None = None
 
     # -- flags -------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -433,9 +436,11 @@ class Nix:
         if dropped is not None:
             raise dropped
         if not outcome.ok:
+            build_dir = self.build_dir or (self.env if self.env is not None else os.environ).get("TMPDIR") or "/tmp"
             raise explain(
-                phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable
-            )
+                phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable,
+                build_dir=build_dir,
+            )  # fmt: skip
         return outcome
 
 

@@ -155,6 +155,10 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
         return Diagnosis("hash-mismatch", True, detail)
     if _pattern(_NO_SPACE).search(text):
         return Diagnosis("no-space", True, detail)
+    # The builder's own disk (the build directory, under TMPDIR) filled up:
+    # its log says so, Nix's error only that it failed.
+    if phase == BUILD and _pattern(_NO_SPACE).search(_build_logs(log)):
+        return Diagnosis("build-dir-full", True, detail)
     if _pattern(_BUILD_USERS).search(text):
         return Diagnosis("build-users", True, detail)
     if _pattern(_DAEMON_REFUSED).search(text):
@@ -205,6 +209,9 @@ _FIXES = {
     "(the 'got:' value above) or the pin that produced it",
     "no-space": "the Nix store's disk is full: free space with `nix-collect-garbage -d` (or `nix-store --gc`) "
     "or grow the disk, then run again",
+    "build-dir-full": "the disk Nix builds on is full (the build directory, under TMPDIR={build_dir}), not the "
+    "training source: see `df -h {build_dir}`, free space there or point TMPDIR at a larger disk (a build of "
+    "libtorch and a training binary needs gigabytes), then run again",
     "store-permission": "this user cannot write the Nix store: run as the store's owner (root on a single-user "
     "install) or through the daemon (NIX_REMOTE=daemon, with nix-daemon running)",
     "build-users": "this is the Nix installation, not the flake: Nix builds as the members of its "
@@ -253,6 +260,7 @@ _FIXES = {
 REASONS: dict[str, Reason] = {
     "hash-mismatch": "nix.hash-mismatch",
     "no-space": "nix.no-space",
+    "build-dir-full": "nix.no-space",
     "build-users": "nix.build-users-missing",
     "daemon-refused": "nix.daemon-refused",
     "store-permission": "nix.store-not-writable",
@@ -279,6 +287,7 @@ def failure(
     fix: str | None = None,
     extra: str = "",
     unreachable: Reason = "nix.fetch",
+    build_dir: str = "/tmp",
 ) -> Fail:
     """An operator-facing Fail: what was being done, what Nix said, the fix.
 
@@ -299,6 +308,8 @@ def failure(
     if extra:
         message += f"\n{extra}"
     chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
+    if diagnosis.category == "build-dir-full":
+        chosen = chosen.format(build_dir=build_dir)
     message += f"\nFix: {chosen}"
     reason = unreachable if diagnosis.category == "fetch" else REASONS[diagnosis.category]
     # Nix and git quote URLs as they found them, a flake's own inputs too.
@@ -319,6 +330,7 @@ def explain(
     fix: str | None = None,
     source_path: str | None = None,
     unreachable: Reason = "nix.fetch",
+    build_dir: str = "/tmp",
 ) -> Fail:
     """The Fail for a nix call that exited non-zero: the diagnosis, refined
     with what only the caller knows (which tree is the training source), and
@@ -327,7 +339,7 @@ def explain(
     extra = ""
     if diagnosis.category == "builder" and not _builds_from(log.failed_build(), source_path):
         diagnosis = Diagnosis("flake-builder", True, diagnosis.detail)
-    if diagnosis.category in ("builder", "flake-builder", "timeout"):
+    if diagnosis.category in ("builder", "flake-builder", "timeout", "build-dir-full"):
         failed = log.failed_build()
         if failed is not None and failed.log:
             extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
@@ -335,7 +347,7 @@ def explain(
         # git and ssh write the actual cause (refused, unknown ref,
         # bad host key) as plain lines; Nix only says git failed.
         extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
-    return failure(diagnosis, doing, fix=fix, extra=extra, unreachable=unreachable)
+    return failure(diagnosis, doing, fix=fix, extra=extra, unreachable=unreachable, build_dir=build_dir)
 
 
 # The store name of the training source as the training derivation gets it:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -304,6 +305,35 @@ def test_a_flake_error_holding_terminal_escapes_is_permanent_and_quoted_escaped(
     assert fail.permanent and fail.reason == "nix.evaluation"
     assert all(c not in fail.message for c in ("\x1b", "\x07", "\u202e"))
     assert "bad\\x1b]0;owned\\x07 flake\\u202eekalf" in fail.message
+
+
+@pytest.fixture
+def small_tmpdir(monkeypatch):  # type: ignore[no-untyped-def]
+    """A 4 MiB tmpfs as TMPDIR, which Nix's build users can enter."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = Path(tempfile.mkdtemp(prefix="fdl-small-tmp-", dir="/tmp"))
+    point.chmod(0o755)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(point)], check=False)
+    if made.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    monkeypatch.setenv("TMPDIR", str(point))
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+        point.rmdir()
+
+
+def test_a_full_tmpdir_during_the_build_is_permanent_naming_the_disk_not_the_training_source(
+    nix_env, test_flake, state_dir, git_source, small_tmpdir
+):
+    src = git_source(trainer(build="head -c 8000000 /dev/zero > weights.bin && printf '#!/bin/sh\\n' > train"))
+    fail = expect_fail(spec(test_flake, state_dir, src.url))
+    assert fail.permanent and fail.reason == "nix.no-space", fail.message
+    assert f"the disk Nix builds on is full (the build directory, under TMPDIR={small_tmpdir})" in fail.message
+    assert f"df -h {small_tmpdir}" in fail.message and "No space left on device" in fail.message
+    assert "fix the training source" not in fail.message
 
 
 def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, git_source):
