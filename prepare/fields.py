@@ -128,7 +128,11 @@ def _string(value: Any) -> str | None:
 
 
 def _url(value: Any) -> str | None:
-    return _string(value) or too_long(value, MAX_URL_BYTES, "URL")
+    if isinstance(value, str) and "\0" not in value:
+        long = too_long(value, MAX_URL_BYTES, "URL")
+        if long:
+            return long
+    return _string(value)
 
 
 def _boolean(value: Any) -> str | None:
@@ -237,8 +241,12 @@ def _devices(value: Any) -> str | None:
 
 
 def _show_short(value: Any) -> str:
-    text = show(value)
-    return text if len(text) <= 200 else text[:197] + "..."
+    return cut(show(value))
+
+
+def cut(text: str, limit: int = 200) -> str:
+    """A value as a message quotes it: its start, when it is long."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _strings(value: Any, example: str = '["ServerAliveInterval=15"]') -> str | None:
@@ -274,7 +282,7 @@ def store_urls(value: Any) -> str | None:
             return f"expected an array of store URLs, but {show(item)} is {kind_of(item)}"
         long = too_long(item, MAX_URL_BYTES, "URL")
         if long:
-            return f"{_show_short(redact(item))} {long}"
+            return f"{cut(redact(show(item)))} {long}"
         found = credentials(item)
         if found is not None:
             return (
@@ -420,7 +428,7 @@ class Kind:
 STRING = Kind("string", _string, str, show=lambda v: _show_short(v))
 # A URL handed to Nix: surrounding spaces (easy to leave in a hand-edited file
 # or a join loop's string) would reach `nix flake prefetch` as part of it.
-URL = Kind("url", _url, str, to_spec=_stripped, show=lambda v: _show_short(redact(show(v))))
+URL = Kind("url", _url, str, to_spec=_stripped, show=lambda v: cut(redact(show(v))))
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
@@ -450,7 +458,9 @@ SMOKE_USER = Kind("user", _smoke_user, str)
 DEVICES = Kind(
     "devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple, show=lambda v: _show_short(v)
 )
-STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
+STRINGS = Kind(
+    "strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple, show=lambda v: _show_short(v)
+)
 
 
 def _arguments(value: Any) -> str | None:
@@ -458,7 +468,7 @@ def _arguments(value: Any) -> str | None:
 
 
 # A program's arguments: strings, as a list; an empty list is a choice (none).
-ARGUMENTS = Kind("arguments", _arguments, list, example='["--smoke"]', to_spec=tuple)
+ARGUMENTS = Kind("arguments", _arguments, list, example='["--smoke"]', to_spec=tuple, show=lambda v: _show_short(v))
 
 
 def _stripped_all(value: Any) -> Any:
@@ -472,7 +482,7 @@ STORE_URLS = Kind(
     list,
     example='["https://cache.example.org"]',
     to_spec=_stripped_all,
-    show=lambda v: redact(show(v)),
+    show=lambda v: cut(redact(show(v))),
 )
 PUBLIC_KEYS = Kind(
     "public keys",

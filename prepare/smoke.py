@@ -60,7 +60,10 @@ def run(
     a Fail when it does not exit 0."""
     argv = [binary.path, *args]
     confinement = confine.enter(user)
-    shown = f"`{human.printable(shlex.join(argv))}` (in {binary.cwd})"
+    command = human.printable(shlex.join(argv))
+    if len(command) > LINE_CHARS:
+        command = command[:LINE_CHARS] + " ... (cut)"
+    shown = f"`{command}` (in {binary.cwd})"
     started = time.monotonic()
     try:
         done = proc.run(argv, timeout=timeout_s, cwd=binary.cwd, max_stdout=OUTPUT_BYTES, confine=confinement)

@@ -799,3 +799,24 @@ def test_an_ssh_target_or_user_that_starts_with_a_dash_is_permanent(key, value):
     table, name = key.split(".")
     fail = resolve_fail({table: {name: value}}, {})
     assert fail.kind == "permanent" and f"join.{key}" in fail.message and "starts with '-'" in fail.message
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "value", "words"),
+    [
+        ("join.source", "from", '"git+https://h/r?ref=' + "a" * 140_000 + '"', "past the 4 KiB a URL may be"),
+        ("join", "flake", '"path:/' + "b" * 5000 + '"', "past the 4 KiB a URL may be"),
+        ("join.nix", "substituters", '["https://c/' + "c" * 5000 + '"]', "past the 4 KiB a URL may be"),
+        ("join.source", "smoke", '["' + "d" * 200_000 + '"]', "item 0 is 200000 bytes long, past the 16 KiB"),
+        ("join.source", "bin", '"' + "e" * 20_000 + '"', "past the 16 KiB a value may be"),
+    ],
+    ids=["source-from", "flake", "substituter", "smoke-argument", "bin"],
+)
+def test_an_over_long_value_is_permanent_naming_the_key_and_the_limit(write, table, key, value, words):
+    path = write(f"[{table}]\n{key} = {value}\n")
+    with pytest.raises(Fail) as caught:
+        config.load(path)
+    fail = caught.value
+    assert fail.permanent and fail.reason == "config.invalid"
+    assert f"{table}.{key}" in fail.message and words in fail.message
+    assert len(fail.message) < 2000

@@ -624,3 +624,13 @@ def test_a_git_ssh_source_whose_host_key_ssh_does_not_know_is_permanent_naming_s
     scan = subprocess.run(["ssh-keyscan", "-p", str(sshd.port), sshd.host], capture_output=True, text=True)
     known.write_text(scan.stdout)
     assert build(spec, None, []).bin is not None
+
+
+def test_a_nix_command_line_the_kernel_refuses_is_permanent_naming_the_limits_not_nix_missing(tmp_path):
+    require_nix()
+    runner = Nix(str(tmp_path))
+    with pytest.raises(Fail) as caught:
+        runner.eval_json("path:/" + "x" * 200_000 + "#x")
+    fail = caught.value
+    assert fail.permanent and fail.reason == "config.invalid"
+    assert "E2BIG" in fail.message and "4 KiB a URL" in fail.message and "not installed" not in fail.message

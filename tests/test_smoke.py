@@ -130,6 +130,13 @@ def test_a_binary_that_is_not_there_is_permanent(public):
     assert str(public / "no-such-train") in fail.message
 
 
+def test_smoke_arguments_the_kernel_refuses_are_transient_not_a_missing_binary(public):
+    binary = script(public / "train", "exit 0\n")
+    fail = fail_of(binary, ["x" * 200_000])
+    assert not fail.permanent and fail.reason == "smoke.failed"
+    assert "E2BIG" in fail.message and "smoke" in fail.message and len(fail.message) < 2000
+
+
 def test_the_binary_runs_in_its_cwd_with_the_arguments_given(public):
     binary = script(public / "train", '[ "$(pwd)" = "$1" ] && [ "$2" = "two words" ]\n')
     smoke.run(binary, [str(public), "two words"], 30, [])
