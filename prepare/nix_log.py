@@ -194,10 +194,6 @@ class Log:
         seconds = round(act.stopped - act.started, 3)
         if act.type == ACT_BUILD:
             act.outcome = self._build_outcome()
-            if act.outcome == "built":
-                # Only a failed or stopped build's log is ever quoted: a long
-                # build of many derivations keeps the logs of none of them.
-                act.log.clear()
             self._emit("build-done", act, seconds=seconds, ok=act.outcome == "built", outcome=act.outcome)
         elif act.type == ACT_FILE_TRANSFER or _is_fetching(act):
             self._emit("download-done", act, bytes=act.done, seconds=seconds)

@@ -3,6 +3,7 @@ sources in temp git repositories, every fault triggered for real."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -838,3 +839,41 @@ def test_a_manifest_cwd_that_is_a_symlink_out_of_the_tree_stops_the_box(nix_env,
     fail = expect_fail(spec(test_flake, state_dir, f"path:{tree}"))
     assert fail.permanent
     assert "leads out of the training source through a symlink (to /etc)" in fail.message
+
+
+BUILD_LOG_RSS = """
+import json, resource, sys
+from prepare import build as build_mod
+from prepare.fail import Fail
+from prepare.spec import PrepareSpec, SourceSpec
+spec = PrepareSpec(source=SourceSpec(from_=sys.argv[1]), libtorch="cpu", cpu_only=True, flake=sys.argv[2],
+                   state_dir=sys.argv[3])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    build_mod.build(spec, None, [])
+    message = ""
+except Fail as fail:
+    message = fail.message
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew_kib": after - before, "message": message}))
+"""
+
+
+def test_a_builder_printing_megabytes_of_log_is_transient_and_the_preparers_memory_stays_flat(
+    nix_env, test_flake, state_dir, git_source
+):
+    # An 8 MB line without a newline, then 200,000 short ones, then the failure.
+    build = (
+        "head -c 8000000 /dev/zero | tr '\\\\0' x; echo; i=0; while [ $i -lt 200000 ]; do echo \"line $i\"; "
+        "i=$((i+1)); done; echo 'the real reason' >&2; exit 3"
+    )
+    src = git_source(trainer(build=build))
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_LOG_RSS, src.url, test_flake, state_dir], cwd=str(REPO), capture_output=True,
+        text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    print(f"resident set grew {got['grew_kib'] / 1024:.1f} MiB; message {len(got['message'])} characters")
+    assert got["grew_kib"] < 64 * 1024
+    assert "the real reason" in got["message"] and len(got["message"]) < 16384
