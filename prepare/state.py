@@ -54,9 +54,11 @@ ENTRIES = {
 # Entries ours that are not vetted as ENTRIES are: a publish's own state
 # directory (`<state>/publish`, vetted when a publish uses it).
 OTHER_ENTRIES = frozenset({"publish"})
-# What `write_at` names a file while it writes it, in the state directory:
-# one left by a write stopped by SIGKILL is ours, and goes.
-_TMP_NAME = re.compile(r"\.(?:" + "|".join(re.escape(n) for n in ENTRIES) + r")\.[0-9a-f]{16}\.tmp")
+# What `write_at` names a file while it writes it, in the state directory,
+# and what earlier versions named one (`recipe.json.<pid>.tmp`): one left
+# by a write stopped by SIGKILL is ours, and goes.
+_OURS = "|".join(re.escape(n) for n in (*ENTRIES, "recipe.json"))
+_TMP_NAME = re.compile(rf"\.(?:{_OURS})\.[0-9a-f]{{16}}\.tmp|(?:{_OURS})\.[0-9]+\.tmp")
 # The recipe directory holds the recipe alone (the flake input copies all of it).
 RECIPE_FILE = "recipe.json"
 # File systems that are no place for state: the kernel's views of itself.

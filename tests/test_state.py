@@ -195,10 +195,13 @@ def test_a_temporary_file_a_killed_write_left_is_removed_and_any_other_hidden_fi
     state_dir.mkdir()
     left = state_dir / f".warm.json.{os.urandom(8).hex()}.tmp"
     left.write_text("{")
+    # What an earlier version named one.
+    older = state_dir / "recipe.json.4242.tmp"
+    older.write_text("{")
     spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake="path:/srv/fdl-prepare", state_dir=str(state_dir))
     with contextlib.suppress(Fail):
         build_mod.start(spec, []).__exit__(None, None, None)
-    assert not left.exists()
+    assert not left.exists() and not older.exists()
     (state_dir / ".bashrc").write_text("")
     assert "(.bashrc)" in start_fail(state_dir).message
 
