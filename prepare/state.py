@@ -32,7 +32,6 @@ import contextlib
 import errno
 import os
 import re
-import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -313,14 +312,3 @@ def write_file(path: str, data: bytes, what: str) -> None:
     following a symlink (whose owner `vet` judges, where it is ours)."""
     with opened_dir(os.path.dirname(path) or ".", what, owned=False) as fd:
         write_at(fd, os.path.basename(path), data)
-
-
-def remove_at(directory: int, name: str, path: str) -> None:
-    """Remove the entry `name` (at `path`) of the open directory: a
-    directory with its contents, never through a symlink (shutil.rmtree
-    refuses a link, and walks by fd on Linux), anything else unlinked."""
-    st = os.lstat(name, dir_fd=directory)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(name, dir_fd=directory)
