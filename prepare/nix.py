@@ -328,6 +328,18 @@ class Nix:
                 inputs[name] = {k: v for k, v in locked.items() if k != "lastModified"}
         flake_locked = {k: v for k, v in data["locked"].items() if k != "lastModified"}
         locked_url = data.get("url")
+        store_path = data.get("path")
+        if (
+            data["locked"].get("type") == "path"
+            and isinstance(store_path, str)
+            and store_path.startswith("/nix/store/")
+        ):
+            # A `path:` flake by the tree Nix just copied into the store: 2.26
+            # and later read a locked `path:` URL from its directory again,
+            # and a tree changed since is a hash mismatch there.
+            from urllib.parse import quote
+
+            locked_url = f"path:{store_path}?narHash={quote(nar_hash, safe='')}"
         # A reference the later calls can take as it is: one URL, no fragment.
         if not isinstance(locked_url, str) or not locked_url or any(c.isspace() or c in "#\0" for c in locked_url):
             return None
