@@ -286,6 +286,7 @@ class Running:
         self._err = _Lines()
         self._on_stderr_line = on_stderr_line
         self._status = status
+        self._backstop: threading.Timer | None = None
         assert child.stdout is not None and child.stderr is not None
         self._readers = [_thread(_read_all, child.stdout, self._out.add)]
         self._readers.append(_thread(_read_lines, child.stderr, self._take_err))
@@ -318,6 +319,8 @@ class Running:
         finally:
             if timer is not None:
                 timer.cancel()
+            if self._backstop is not None:
+                self._backstop.cancel()
             _drain(self._readers)
         stderr = self._err.text()
         said = self._read_status()
@@ -368,11 +371,17 @@ class Running:
             # does not.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self._child.pid, signal.SIGTERM)
-            backstop = threading.Timer(_CONFINED_GRACE_S, _signal_group, (self._child, signal.SIGKILL))
-            backstop.daemon = True
-            backstop.start()
+            self._backstop = threading.Timer(_CONFINED_GRACE_S, self._kill_if_running)
+            self._backstop.daemon = True
+            self._backstop.start()
             return
         _signal_group(self._child, signal.SIGKILL)
+
+    def _kill_if_running(self) -> None:
+        # Only while it has not been reaped: its pid, and so its group's,
+        # may be another process's once it has.
+        if self._child.returncode is None:
+            _signal_group(self._child, signal.SIGKILL)
 
     def stop(self) -> None:
         """Stop it (its whole group) and reap it: for a caller that no
