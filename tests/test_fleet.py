@@ -98,7 +98,7 @@ def test_a_box_substitutes_everything_a_publish_pushed_and_builds_nothing(
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (cache.url,), (key.public,)))
 
-    assert "prepared" in result, result.get("fail")
+    assert "prepared" in result, str(result.get("fail"))
     assert built(result) == []
     assert sorted(substituted(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
     prepared = result["prepared"]
@@ -129,7 +129,7 @@ def test_a_cache_signed_with_a_key_the_box_does_not_trust_is_refused_and_the_box
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (cache.url,), (stranger.public,)))
 
-    assert "prepared" in result, result.get("fail")
+    assert "prepared" in result, str(result.get("fail"))
     assert substituted(result) == []
     assert sorted(built(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
     said = "\n".join(result["notes"])
@@ -152,7 +152,7 @@ def test_a_stopped_cache_server_falls_back_to_building_here_with_a_note(
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (url,), (key.public,)))
 
-    assert "prepared" in result, result.get("fail")
+    assert "prepared" in result, str(result.get("fail"))
     assert substituted(result) == [] and "fdl-test-training-cpu" in built(result)
     said = "\n".join(result["notes"])
     assert f"binary cache {url} could not be reached" in said and "built here instead" in said
@@ -181,7 +181,7 @@ def test_an_ssh_ng_store_is_a_cache_for_publish_and_box_alike(
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (to,), (key.public,)))
 
-    assert "prepared" in result, result.get("fail")
+    assert "prepared" in result, str(result.get("fail"))
     assert built(result) == []
     assert sorted(substituted(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
     assert result["prepared"]["bin"]["path"] == done.outputs["cpu"].bin
