@@ -229,6 +229,13 @@ let
           fabric is still being set up makes it retry instead.
         '';
       };
+      smoke_user = nullOrStr ''
+        The unprivileged user the smoke run of the built binary runs as
+        (the unit runs as root; the binary is the training source's code).
+        It gets that user's primary group, the `render` and `video` groups
+        for the GPUs, no capabilities and a clean environment. A user that
+        does not exist, or is root, stops the unit. Null: `nobody`.
+      '' "nobody";
       cpu_only = mkOption {
         type = types.bool;
         default = false;

@@ -46,7 +46,11 @@ its cwd.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import shutil
+import stat
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -240,8 +244,12 @@ class Session:
         self._held = ExitStack()
         try:
             self._held.enter_context(_locked(state, lock_wait_s(spec.build_timeout_s), step, notes))
+            # Under the lock: the directory a killed attempt left is this
+            # state directory's to remove, and no other attempt is using it.
+            self._held.enter_context(_nix_tmp(state, nix))
         except BaseException:
             # The wait may have started the display (it says whom it waits for).
+            self._held.close()
             step.end()
             raise
 
@@ -256,6 +264,66 @@ class Session:
             self._held.close()
         finally:
             self.step.end()
+
+
+# Nix's TMPDIR for one attempt: a directory of its own under the box's, so
+# that what a build leaves there (`nix-build-<drv>-<n>`, a copy of the
+# source) goes with the attempt, and, when a SIGKILL left it, with the next.
+NIX_TMP_PREFIX = "fdl-prepare-nix."
+NIX_TMP_RECORD = "nix-tmp"
+
+
+@contextmanager
+def _nix_tmp(state: str, nix: nix_mod.Nix) -> Iterator[None]:
+    """Give `nix` a TMPDIR of this attempt's own under the one it has, its
+    path recorded in <state>/nix-tmp; remove the one a killed attempt left
+    first, and this one at the end. Where none can be made (the TMPDIR is
+    full), nix keeps its own: the build then says what is full."""
+    base = (nix.env if nix.env is not None else os.environ).get("TMPDIR") or "/tmp"
+    record = os.path.join(state, NIX_TMP_RECORD)
+    _remove_left_tmp(record)
+    try:
+        made = tempfile.mkdtemp(prefix=NIX_TMP_PREFIX, dir=base)
+        # Nix's build users enter it (a single-user Nix as root builds as them).
+        os.chmod(made, 0o755)
+        state_mod.write_file(record, made.encode(), "state directory")
+    except OSError:
+        yield
+        return
+    nix.env = {**(nix.env if nix.env is not None else os.environ), "TMPDIR": made}
+    nix.build_dir = base
+    try:
+        yield
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(record)
+
+
+def _remove_left_tmp(record: str) -> None:
+    """The directory an earlier attempt recorded and did not remove (it was
+    killed): removed when it is still one of ours (a real directory of this
+    user's, with our name), never through a link."""
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            left = handle.read(4096).decode("utf-8", "replace").strip()
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        st = os.lstat(left)
+        if (
+            os.path.isabs(left)
+            and os.path.basename(left).startswith(NIX_TMP_PREFIX)
+            and stat.S_ISDIR(st.st_mode)
+            and st.st_uid == os.geteuid()
+        ):
+            shutil.rmtree(left, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.unlink(record)
 
 
 @dataclass(frozen=True)
@@ -314,12 +382,11 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
     """Step 4: the libtorch variant, and its arch coverage of the offered
     cards, from the flake's metadata by evaluation: nothing is fetched or
     built before a card the variant ships no kernel for is refused."""
-    spec, flake, system = session.spec, session.flake, session.system
+    spec, flake = session.spec, session.flake
     session.gpus = gpus
     known = None if spec.refresh else record_mod.load(session.state)
     _start_source_fetch(session, known)
-    identity = session.nix.flake_identity(flake)
-    session.flake_key = None if identity is None else record_mod.key(identity, system, CONTRACT)
+    lock_flake(session)
     if session.flake_key is None:
         known = None
     if spec.libtorch is None and not spec.cpu_only:
@@ -335,6 +402,23 @@ def choose_variant(session: Session, gpus: Gpus | None) -> variants_mod.Variant:
         session.variants_raw = evaluate_variants(session)
     variants = variants_mod.parse_variants(session.variants_raw, flake)
     return variants_mod.choose(spec.libtorch, variants, gpus, spec.cpu_only, flake, session.notes)
+
+
+def lock_flake(session: Session) -> None:
+    """Resolve the flake once (`nix flake metadata`) and pin the attempt to
+    it: the warm-path key comes from that resolution, and every evaluation
+    and build after it names the locked reference it returned, never the
+    flake's own URL, which could resolve to another tree a moment later (a
+    flake changed between the two, then rolled back, would otherwise leave
+    the other tree's outputs recorded under this one's key). A flake whose
+    resolution cannot be told is evaluated by its URL, and nothing is
+    recorded for it."""
+    identity = session.nix.flake_identity(session.flake)
+    if identity is None:
+        session.flake_key = None
+        return
+    session.flake_key = record_mod.key(identity.key, session.system, CONTRACT)
+    session.fdl = f"{identity.locked_url}#legacyPackages.{session.system}.fdl"
 
 
 def _predicted(session: Session, known: record_mod.Record, gpus: Gpus | None) -> variants_mod.Variant | None:
@@ -434,8 +518,10 @@ def build_outputs(
     passed as a flake input), with GC roots under the state directory,
     named `<state>/gcroots/<link>*` (a publish keeps one set per variant).
     Only prepare's own set (`run`) is recorded for the warm path."""
-    out_link = os.path.join(session.state, "gcroots", link)
     warm = link == "run"
+    if warm and source is not None:
+        link = run_links(source.fetched.url)
+    out_link = os.path.join(session.state, "gcroots", link)
     flake_input = None if source is None else source.recipe.flake_input(variant.label, CONTRACT)
     plan_key = _plan_key(session, variant, source, flake_input) if warm else None
     known = session.record
@@ -475,6 +561,14 @@ def build_outputs(
         record_mod.forget(session.state)
     caches.note(log, session.spec.nix.substituters, session.notes)
     return built
+
+
+def run_links(source_url: str) -> str:
+    """The name of a prepare's out-links (`<state>/gcroots/<name>`, `-1`,
+    ...): one set per training source. A prepare of another source on the
+    same state directory (two join loops on one box) replaces and prunes
+    only its own set, never the roots of the binary the other reported."""
+    return "run." + hashlib.sha256(source_url.encode()).hexdigest()[:16]
 
 
 def _plan_key(

@@ -11,16 +11,27 @@ state: it is reported with its traceback and exits 70, which the units do not
 retry (a bug retried every 10 s for ever hides itself in the journal), where
 Python's own exit 1 would be retried as if transient.
 
+Output that cannot be written is no bug either (`_Output`). stdout carries
+the result a caller reads (`--json`): when it cannot take it, an attempt that
+prepared the box exits 78 for a full disk (ENOSPC, EDQUOT, EFBIG, EROFS: a
+person frees space, as for every other full disk) and 75 otherwise (EPIPE: the
+reader went away, a journal restarted; EIO), since the caller never got the
+answer. stderr carries only what people read: a failure to write it leaves
+the exit code the outcome's.
+
 Heavy modules (the steps, pynvml, rich) are imported inside the commands so
 `--help` stays fast.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import inspect
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -29,8 +40,10 @@ from typing import Annotated, Any, cast
 
 import typer
 
+from prepare import human
 from prepare.fail import Fail
 from prepare.fields import TABLE, Field, Table, nest
+from prepare.human import printable
 from prepare.notes import print_notes
 from prepare.redact import redact
 
@@ -250,7 +263,7 @@ def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) 
         if fail.permanent
         else "the next attempt may succeed: retry with backoff"
     )
-    print(f"{name}: {fail.kind} failure: {message}", file=sys.stderr)
+    print(f"{name}: {fail.kind} failure: {printable(message, lines=True)}", file=sys.stderr)
     print(f"{name}: exit {code}: {then}", file=sys.stderr)
     return code
 
@@ -304,13 +317,14 @@ def _summary(done: Any, seconds: float) -> None:
     if done.bin is not None:
         rows.append(("bin", f"{done.bin.path}  (cwd {done.bin.cwd})"))
     if done.args is not None:
-        rows.append(("args", " ".join(done.args)))
+        rows.append(("args", shlex.join(done.args)))
     if done.run_id is not None:
         rows.append(("run", done.run_id))
     err = sys.stderr
     print(f"{NAME}: prepared in {seconds:.2f}s", file=err)
+    # The run's values come from its manifest: escaped, one line each.
     for key, value in rows:
-        print(f"  {key:<9} {value}", file=err)
+        print(f"  {key:<9} {printable(value)}", file=err)
 
 
 def gpus(
@@ -434,19 +448,84 @@ def publish(
 app = make_app()
 
 
+class _Output:
+    """sys.stdout or sys.stderr, whose writes never raise: the first error
+    (a full disk, a reader gone) is kept in `failed`, and the stream is
+    pointed at /dev/null so that nothing written later, the interpreter's
+    last flush included, fails again."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.failed: OSError | None = None
+
+    def write(self, text: str) -> int:
+        if self.failed is None:
+            try:
+                return int(self._stream.write(text))
+            except (OSError, ValueError) as err:
+                self._fail(err if isinstance(err, OSError) else OSError(errno.EBADF, str(err)))
+        return len(text)
+
+    def flush(self) -> None:
+        if self.failed is None:
+            try:
+                self._stream.flush()
+            except (OSError, ValueError) as err:
+                self._fail(err if isinstance(err, OSError) else OSError(errno.EBADF, str(err)))
+
+    def _fail(self, err: OSError) -> None:
+        self.failed = err
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+# A result that could not be written to a full disk: a person frees space.
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
 def main(args: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # (None: Python found no open fd there at start; nothing is written.)
+    out, err = _Output(sys.stdout), _Output(sys.stderr)
+    if sys.stdout is not None:
+        sys.stdout = cast(Any, out)
+    if sys.stderr is not None:
+        sys.stderr = cast(Any, err)
+    code: Any = EXIT_OK
     try:
         app(args=args, prog_name=NAME, standalone_mode=True)
+    except SystemExit as done:
+        code = done.code
     except KeyboardInterrupt:
         # The commands say it themselves (typer turns an interrupt that
         # escapes them into a silent exit 130); this is one outside typer.
         print(f"{NAME}: interrupted", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        code = EXIT_INTERRUPTED
     except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
         # Outside the commands' own reports: the option parsing, the
         # imports. Still a bug, still not retried.
-        sys.exit(_report_bug(bug, [], False))
+        code = _report_bug(bug, [], False)
+    if sys.stdout is not None:
+        out.flush()
+    if sys.stderr is not None:
+        err.flush()
+    if out.failed is not None and code in (None, EXIT_OK):
+        full = out.failed.errno in _DISK_FULL
+        code = EXIT_PERMANENT if full else EXIT_TRANSIENT
+        print(
+            f"{NAME}: the result could not be written to stdout ({human.oserror(out.failed)}): "
+            + ("free space where stdout goes, then run again" if full else "the next attempt writes it again")
+            + f"; exit {code}",
+            file=sys.stderr,
+        )
+        if sys.stderr is not None:
+            err.flush()
+    sys.exit(code)
 
 
 def publish_main() -> None:

@@ -33,13 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import json
 import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prepare import human, proc
+from prepare import state as state_mod
 from prepare.fail import Fail, permanent
 
 DEFAULT = "/run/opengl-driver/lib"
@@ -62,6 +66,9 @@ _KERNEL = re.compile(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)")
 _LISTED = re.compile(r"^\s*(\S+) \(([^)]*)\) => (\S.*)$")
 # The name of a link while it is made, before it is renamed into place.
 _TMP = ".fdl-prepare-new."
+# The links fdl-prepare made in the directory, with their targets: the only
+# entries it ever replaces or removes there.
+MANIFEST = ".fdl-prepare-links.json"
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,7 @@ def _host_libraries(notes: list[str]) -> list[Library] | None:
         done = proc.run(
             [ldconfig, "-p"], timeout=_LDCONFIG_TIMEOUT_S, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
         )
-    except (proc.Missing, proc.TimedOut) as err:
+    except (proc.ExecFailed, proc.TimedOut) as err:
         notes.append(f"driver directory not kept: `{ldconfig} -p` failed ({err})")
         return None
     if not done.ok:
@@ -208,41 +215,63 @@ def _check_versions(libraries: Sequence[Library], kernel: str) -> None:
 
 
 def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list[str]) -> None:
-    """`directory` holding exactly one link per library, each to the path
-    the linker cache lists. Links are replaced atomically (a run starting
-    meanwhile sees the old link or the new one); anything there that is
-    not a link is someone else's, and is left alone with a note."""
+    """`directory` holding one link per library, each to the path the
+    linker cache lists. Links are replaced atomically (a run starting
+    meanwhile sees the old link or the new one). Only fdl-prepare's own
+    links are ever replaced or removed: those it recorded in MANIFEST when
+    it made them, still pointing where it made them point. Anything else
+    there is someone else's, and is left alone with a note."""
     wanted = {lib.name: lib.path for lib in libraries}
     created: list[str] = []
     updated: list[str] = []
     removed: list[str] = []
+    theirs: list[str] = []
     try:
-        os.makedirs(directory, exist_ok=True)
-        present = sorted(os.listdir(directory))
-        for name in present:
-            path = os.path.join(directory, name)
-            # Another attempt's link in the making is that attempt's.
-            if name in wanted or _TMP in name or not os.path.islink(path):
-                continue
-            # Two attempts at once (a restart racing a manual run) may both
-            # find the same stale link: gone is what both want.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            removed.append(name)
-        for name, target in sorted(wanted.items()):
-            path = os.path.join(directory, name)
-            if os.path.islink(path):
-                if os.readlink(path) == target:
-                    continue
-                updated.append(name)
-            elif os.path.lexists(path):
-                notes.append(f"driver directory: {path} is not a link; left alone (it is not fdl-prepare's)")
-                continue
-            else:
-                created.append(name)
-            _replace_link(target, path)
+        fd = _open_directory(directory, libraries)
     except OSError as err:
         raise _unwritable(directory, err) from None
+    try:
+        ours = _read_manifest(fd)
+        mine = dict(ours)
+        for name in sorted(os.listdir(fd)):
+            # Another attempt's link in the making is that attempt's.
+            if name in wanted or _TMP in name or name == MANIFEST:
+                continue
+            recorded = ours.get(name)
+            if recorded is not None and _readlink(fd, name) == recorded:
+                # Two attempts at once (a restart racing a manual run) may
+                # both find the same stale link: gone is what both want.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+                removed.append(name)
+            mine.pop(name, None)
+        for name, target in sorted(wanted.items()):
+            found = _readlink(fd, name)
+            if found == target:
+                # Already what fdl-prepare makes: its own from now on.
+                mine[name] = target
+                continue
+            if found is not None and ours.get(name) == found:
+                updated.append(name)
+            elif found is None and not _exists(fd, name):
+                created.append(name)
+            else:
+                theirs.append(name)
+                mine.pop(name, None)
+                continue
+            _replace_link(fd, target, name)
+            mine[name] = target
+        if mine != ours:
+            state_mod.write_at(fd, MANIFEST, (json.dumps(mine, indent=1, sort_keys=True) + "\n").encode())
+    except OSError as err:
+        raise _unwritable(directory, err) from None
+    finally:
+        os.close(fd)
+    for name in theirs:
+        notes.append(
+            f"driver directory: {os.path.join(directory, name)} is not a link fdl-prepare made; left alone (remove "
+            "it if it should be, and the next attempt links it)"
+        )
     if created or updated or removed:
         parts = [f"{len(created)} new"] if created else []
         parts += [f"{len(updated)} updated"] if updated else []
@@ -254,16 +283,145 @@ def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list
         )
 
 
-def _replace_link(target: str, path: str) -> None:
-    tmp = f"{path}{_TMP}{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    os.symlink(target, tmp)
+def _readlink(fd: int, name: str) -> str | None:
     try:
-        os.replace(tmp, path)
+        return os.readlink(name, dir_fd=fd)
+    except OSError:
+        return None
+
+
+def _exists(fd: int, name: str) -> bool:
+    try:
+        os.lstat(name, dir_fd=fd)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _read_manifest(fd: int) -> dict[str, str]:
+    """The links fdl-prepare made here, by name, with their targets; {}
+    for a missing, unreadable or malformed record (then nothing is ours)."""
+    try:
+        record = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return {}
+    try:
+        with os.fdopen(record, "rb") as handle:
+            data = json.loads(handle.read(1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str) and "/" not in k}
+
+
+def _refused(directory: str, why: str, fix: str) -> Fail:
+    return permanent(
+        f"GPU gate: the driver directory {directory} (driver_dir, --driver-dir) {why}. fdl-prepare writes and removes "
+        f"links there as root, and every Nix-built program loads the driver from it, so it must be a real "
+        f"directory of fdl-prepare's own, owned by root and writable by nobody else, reached through no symlink. "
+        f"Fix: {fix}",
+        reason="gpu.driver-dir-untrusted",
+    )
+
+
+def _open_directory(directory: str, libraries: Sequence[Library]) -> int:
+    """An fd on `directory`, reached from / one directory at a time without
+    following a symlink and made where missing (0755), each directory on the
+    way held to what `prepare.trust` asks of a config's (owned by root or
+    this user, writable by nobody else unless sticky), and the directory
+    itself owned by this user (root, as the units run it) and writable by
+    nobody else. A directory the linker cache lists libraries in (a shared
+    library directory) is never one: its links are the system's."""
+    path = os.path.normpath(directory)
+    hosts = {os.path.dirname(lib.path) for lib in libraries} | {
+        os.path.dirname(os.path.realpath(lib.path)) for lib in libraries
+    }
+    if path in hosts:
+        raise _refused(
+            directory,
+            "is where the host's own libraries are (the linker cache lists its NVIDIA libraries there)",
+            f"leave driver_dir out for {DEFAULT}, or point it at a directory that holds nothing but these links",
+        )
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    current = "/"
+    parts = [p for p in path.split("/") if p]
+    try:
+        for index, part in enumerate(parts):
+            last = index == len(parts) - 1
+            current = os.path.join(current, part)
+            try:
+                st = os.lstat(part, dir_fd=fd)
+            except FileNotFoundError:
+                os.mkdir(part, 0o755, dir_fd=fd)
+                st = os.lstat(part, dir_fd=fd)
+            _judge(directory, current, st, last)
+            try:
+                child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as err:
+                if err.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refused(
+                        directory, f"leads through {current}, which changed while it was opened", "retry"
+                    ) from None
+                raise
+            os.close(fd)
+            fd = child
+            opened = os.fstat(fd)
+            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino):
+                raise _refused(directory, f"leads through {current}, which changed while it was opened", "retry")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _judge(directory: str, current: str, st: os.stat_result, last: bool) -> None:
+    """Refuse (permanent) a directory on the way that could send root's
+    links elsewhere, or the driver directory itself when it is not one
+    fdl-prepare may keep."""
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(current)
+        raise _refused(
+            directory,
+            f"{'is' if last else 'leads through'} a symlink ({current} -> {target})",
+            f"set driver_dir to the real directory (`realpath {directory}`) if it is meant for these links, or "
+            f"remove the link (`sudo rm {current}`) so that fdl-prepare makes the directory",
+        )
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a file" if stat.S_ISREG(st.st_mode) else "not a directory"
+        raise _refused(
+            directory,
+            f"{'is' if last else 'leads through'} {current}, which is {what}",
+            f"remove it (`sudo rm {current}`) if nothing needs it, or set driver_dir to another directory",
+        )
+    owner_ok = st.st_uid in (0, me)
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if not owner_ok:
+        raise _refused(
+            directory,
+            f"{'is' if last else 'leads through'} {current}, owned by uid {st.st_uid}, not {human.user()}",
+            f"`sudo chown root: {current}`, or set driver_dir to a directory of root's",
+        )
+    if writable and (last or not st.st_mode & stat.S_ISVTX):
+        raise _refused(
+            directory,
+            f"{'is' if last else 'leads through'} {current}, which others may write (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}): they could swap libcuda.so.1 between the gate and the run",
+            f"`sudo chmod go-w {current}`",
+        )
+
+
+def _replace_link(fd: int, target: str, name: str) -> None:
+    tmp = f"{name}{_TMP}{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=fd)
+    os.symlink(target, tmp, dir_fd=fd)
+    try:
+        os.replace(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
     except OSError:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=fd)
         raise
 
 
@@ -288,6 +446,17 @@ def preload_nvml(directory: str) -> bool:
     path = os.path.join(directory, NVML)
     if not os.path.exists(path):
         return False
+    from prepare import trust
+
+    # Loaded into this process, which runs as root: only from where nobody
+    # else could have put it (on NixOS the directory is a link into the store).
+    found = trust.doubt(path)
+    if found is not None:
+        raise permanent(
+            f"GPU gate: NVML would be loaded from the driver directory {directory} (driver_dir, --driver-dir), but "
+            f"{found.path} {found.why}: whoever could change it could run code as this process. Fix: {found.fix}",
+            reason="gpu.driver-dir-untrusted",
+        )
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError:

@@ -95,6 +95,27 @@ def _is_int(value: Any) -> bool:
 # none of those can hold a NUL (the kernel's strings end at it).
 _NUL = "contains a NUL character (\\u0000), which no path, URL or command line can hold: remove it"
 
+# The longest values taken, well under what the kernel takes on a command
+# line (MAX_ARG_STRLEN, 128 KiB an argument; ARG_MAX, at least 128 KiB for
+# all of them and the environment): a value past these is refused by name
+# here, not by execve as E2BIG (which would read as a program missing). A
+# run manifest's arguments are held to the same (prepare.manifest).
+MAX_URL_BYTES = 4 << 10
+MAX_STRING_BYTES = 16 << 10
+MAX_LIST_BYTES = 64 << 10
+LIMITS = "4 KiB a URL, 16 KiB any other value, 64 KiB a list in all"
+
+
+def too_long(value: str, limit: int, what: str = "value") -> str | None:
+    """A problem when `value` is longer than `limit` bytes (UTF-8)."""
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size <= limit:
+        return None
+    return (
+        f"is {size} bytes long, past the {limit // 1024} KiB a {what} may be (fdl-prepare's limits: {LIMITS}, well "
+        "under what the kernel takes on a command line): shorten it"
+    )
+
 
 def _string(value: Any) -> str | None:
     if not isinstance(value, str):
@@ -103,7 +124,15 @@ def _string(value: Any) -> str | None:
         return "expected a non-empty string; leave it out to keep it unset"
     if "\0" in value:
         return _NUL
-    return None
+    return too_long(value, MAX_STRING_BYTES)
+
+
+def _url(value: Any) -> str | None:
+    if isinstance(value, str) and "\0" not in value:
+        long = too_long(value, MAX_URL_BYTES, "URL")
+        if long:
+            return long
+    return _string(value)
 
 
 def _boolean(value: Any) -> str | None:
@@ -212,20 +241,31 @@ def _devices(value: Any) -> str | None:
 
 
 def _show_short(value: Any) -> str:
-    text = show(value)
-    return text if len(text) <= 200 else text[:197] + "..."
+    return cut(show(value))
+
+
+def cut(text: str, limit: int = 200) -> str:
+    """A value as a message quotes it: its start, when it is long."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _strings(value: Any, example: str = '["ServerAliveInterval=15"]') -> str | None:
     if not isinstance(value, (list, tuple)):
         return f"expected an array of strings such as {example}, got {kind_of(value)}"
-    for item in value:
+    total = 0
+    for index, item in enumerate(value):
         if not isinstance(item, str):
-            return f"expected an array of strings, but {show(item)} is {kind_of(item)}"
+            return f"expected an array of strings, but {_show_short(item)} is {kind_of(item)}"
         if not item.strip():
             return "expected non-empty strings, got an empty one"
         if "\0" in item:
-            return f"{show(item)} {_NUL}"
+            return f"{_show_short(item)} {_NUL}"
+        long = too_long(item, MAX_STRING_BYTES, "list item")
+        if long:
+            return f"item {index} {long}"
+        total += len(item.encode("utf-8", "surrogatepass")) + 1
+    if total > MAX_LIST_BYTES:
+        return f"holds {total} bytes in all, past the {MAX_LIST_BYTES // 1024} KiB a list may (limits: {LIMITS})"
     return None
 
 
@@ -240,12 +280,25 @@ def store_urls(value: Any) -> str | None:
     for item in value:
         if not isinstance(item, str):
             return f"expected an array of store URLs, but {show(item)} is {kind_of(item)}"
+        long = too_long(item, MAX_URL_BYTES, "URL")
+        if long:
+            return f"{cut(redact(show(item)))} {long}"
         found = credentials(item)
         if found is not None:
             return (
                 f"{redact(show(item))} carries {found} in the URL (hidden here), which would sit on every nix "
                 "command line (`ps` shows it to every user): remove it, treat it as leaked, and give Nix the "
                 "credential in a netrc file (`netrc-file = /etc/nix/netrc` in nix.conf, mode 0600)"
+            )
+        from prepare.caches import weakens_signatures
+
+        weak = weakens_signatures(item)
+        if weak is not None:
+            return (
+                f"{redact(show(item))} sets {weak}, which makes Nix take paths from that store without a signature "
+                "from a trusted key: anything the store (or whoever reaches it) serves would be run as root. Remove "
+                "it: `fdl-prepare publish` signs what it pushes, and boxes trust its public key "
+                "(nix.trusted_public_keys, --trusted-public-key)"
             )
         # Nix splits the setting on whitespace: one URL with a space would
         # reach it as two, neither of them the cache meant.
@@ -372,10 +425,10 @@ class Kind:
     show: Callable[[Any], str] = show
 
 
-STRING = Kind("string", _string, str)
+STRING = Kind("string", _string, str, show=lambda v: _show_short(v))
 # A URL handed to Nix: surrounding spaces (easy to leave in a hand-edited file
 # or a join loop's string) would reach `nix flake prefetch` as part of it.
-URL = Kind("url", _string, str, to_spec=_stripped, show=lambda v: redact(show(v)))
+URL = Kind("url", _url, str, to_spec=_stripped, show=lambda v: cut(redact(show(v))))
 BOOLEAN = Kind("boolean", _boolean, bool, example="true", to_spec=bool)
 PORT = Kind("port", _port, int, example="22")
 SECONDS = Kind("seconds", _seconds, float, example="30", to_spec=float)
@@ -388,13 +441,26 @@ LIST_SECONDS = Kind(
 BUILD_SECONDS = Kind(
     "seconds", _seconds_within(1, 30 * 86400, "a second to 30 days"), float, example="3600", to_spec=float
 )
+# Loading libtorch and waking a GPU takes seconds: under one, every attempt
+# would time out, transient for ever; past a day, a wedged run holds the box.
+SMOKE_SECONDS = Kind("seconds", _seconds_within(1, 86400, "a second to a day"), float, example="60", to_spec=float)
 ABSOLUTE_PATH = Kind("absolute path", _absolute_path, str)
 SSH_HOST = Kind("ssh host", _ssh_target, str)
 SSH_USER = Kind("ssh user", _ssh_user, str)
+
+
+def _smoke_user(value: Any) -> str | None:
+    problem = _ssh_target(value)
+    return problem.replace("host name", "user name") if problem else None
+
+
+SMOKE_USER = Kind("user", _smoke_user, str)
 DEVICES = Kind(
     "devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple, show=lambda v: _show_short(v)
 )
-STRINGS = Kind("strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple)
+STRINGS = Kind(
+    "strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple, show=lambda v: _show_short(v)
+)
 
 
 def _arguments(value: Any) -> str | None:
@@ -402,7 +468,7 @@ def _arguments(value: Any) -> str | None:
 
 
 # A program's arguments: strings, as a list; an empty list is a choice (none).
-ARGUMENTS = Kind("arguments", _arguments, list, example='["--smoke"]', to_spec=tuple)
+ARGUMENTS = Kind("arguments", _arguments, list, example='["--smoke"]', to_spec=tuple, show=lambda v: _show_short(v))
 
 
 def _stripped_all(value: Any) -> Any:
@@ -416,7 +482,7 @@ STORE_URLS = Kind(
     list,
     example='["https://cache.example.org"]',
     to_spec=_stripped_all,
-    show=lambda v: redact(show(v)),
+    show=lambda v: cut(redact(show(v))),
 )
 PUBLIC_KEYS = Kind(
     "public keys",
@@ -592,10 +658,21 @@ FIELDS: tuple[Field, ...] = (
         key="smoke_timeout",
         flag="--smoke-timeout",
         spec="smoke_timeout_s",
-        kind=SECONDS,
+        kind=SMOKE_SECONDS,
         metavar="SECONDS",
         default=60.0,
         help="Stop the smoke run of the built binary after this long (transient). Default: 60.",
+    ),
+    Field(
+        key="smoke_user",
+        flag="--smoke-user",
+        spec="smoke_user",
+        kind=SMOKE_USER,
+        metavar="USER",
+        default="nobody",
+        nix="nullOr str",
+        help="The unprivileged user the smoke run runs as when fdl-prepare is root (never root itself); it gets "
+        "only the render and video groups for the GPUs, no capabilities and a clean environment. Default: nobody.",
     ),
     Field(
         key="refresh",

@@ -40,3 +40,31 @@ def user() -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+# Characters a terminal acts on or that hide text: C0 and C1 controls, DEL,
+# and the bidirectional overrides and isolates (a line that reads one way and
+# is another); zero-width characters that split a word a search looks for.
+_HIDING = frozenset(
+    {0x7F, *range(0x80, 0xA0), 0x200B, 0x200C, 0x200D, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
+)
+
+
+def printable(text: str, *, lines: bool = False) -> str:
+    """`text` from a manifest, a program or the network, safe to print: each
+    control character (an escape sequence's ESC, a carriage return, a
+    newline that would start a forged `fdl-prepare:` line) and each
+    character that hides or reorders text is written as its escape
+    (\\x1b, \\r, \\u202e). `lines` keeps newlines (a program's own lines)."""
+    if text.isprintable():
+        return text
+    out = []
+    for char in text:
+        code = ord(char)
+        if (char == "\n" and lines) or char == "\t":
+            out.append(char)
+        elif code < 0x20 or code in _HIDING:
+            out.append(char.encode("unicode_escape").decode("ascii") if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(char)
+    return "".join(out)

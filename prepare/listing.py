@@ -60,6 +60,11 @@ def verify(path: str, timeout: float, *, mounted_from: Source | None, foreign: b
             f"cannot check {what} {path}: the Python interpreter {python!r} is not runnable",
             reason="host.python-missing",
         ) from None
+    except proc.ExecFailed as failed:
+        raise transient(
+            f"cannot check {what} {path}: the check could not be started ({failed}); the next attempt retries",
+            reason="data.check-failed",
+        ) from None
 
     words = done.stdout.strip().split(" ", 2)
     if not done.ok or len(words) < 2:

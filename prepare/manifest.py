@@ -122,17 +122,42 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
                 f"the run manifest {where} has {key} = {shown}, expected {described}: publish a fixed {FILENAME}",
                 reason="source.manifest-invalid",
             )
+        items = value if key in ("args", "smoke") else [value]
         # A NUL ends every path and argument the kernel takes: no command
         # line or path could carry the value as written.
-        if any("\0" in item for item in (value if key == "args" else [value]) if isinstance(item, str)):
+        if any("\0" in item for item in items if isinstance(item, str)):
             raise transient(
                 f"the run manifest {where} has a NUL character (\\u0000) in {key}, which no path or argument can "
                 f"hold: publish a fixed {FILENAME}",
                 reason="source.manifest-invalid",
             )
+        # The same bounds as the box's own values (prepare.fields): past
+        # them, the kernel would refuse the command line (E2BIG).
+        long = _too_long(key, items)
+        if long:
+            raise transient(
+                f"the run manifest {where} has {key} {long}: publish a fixed {FILENAME}",
+                reason="source.manifest-invalid",
+            )
         values[key] = tuple(value) if key in ("args", "smoke") else value
     unknown = tuple(sorted(k for k in table if k not in _FIELDS))
     return Manifest(**values, unknown=unknown)
+
+
+def _too_long(key: str, items: list[Any]) -> str | None:
+    from prepare.fields import LIMITS, MAX_LIST_BYTES, MAX_STRING_BYTES, too_long
+
+    total = 0
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            continue
+        long = too_long(item, MAX_STRING_BYTES, "value")
+        if long:
+            return f"{'item ' + str(index) + ' that ' if key in ('args', 'smoke') else 'that '}{long}"
+        total += len(item.encode("utf-8", "surrogatepass")) + 1
+    if total > MAX_LIST_BYTES:
+        return f"holding {total} bytes in all, past the {MAX_LIST_BYTES // 1024} KiB a list may (limits: {LIMITS})"
+    return None
 
 
 def read(source_root: str) -> Manifest | None:
@@ -292,22 +317,26 @@ def _span(seconds: int) -> str:
 
 
 def notes_for(recipe: Recipe, manifest: Manifest | None, now: float) -> list[str]:
-    """What an operator wants to know about the publish this box will run."""
+    """What an operator wants to know about the publish this box will run.
+    The manifest's strings are the publisher's: escaped, so that a `run`
+    or `origin` can neither forge a line of ours nor drive a terminal."""
     if manifest is None:
         return [f"no run manifest ({FILENAME}): building with the box's own recipe (bin {recipe.bin!r})"]
-    parts = [f"run {recipe.run_id}" if recipe.run_id else "run manifest without a run id"]
+    run_id = human.printable(recipe.run_id) if recipe.run_id else None
+    parts = [f"run {run_id}" if run_id else "run manifest without a run id"]
     if recipe.published_epoch is not None:
         parts.append(f"published {age(recipe.published_epoch, now)}")
     if recipe.origin:
-        parts.append(f"from {recipe.origin}")
+        parts.append(f"from {human.printable(recipe.origin)}")
     out = [", ".join(parts)]
     if recipe.built is False:
         out.append(
-            f"run {recipe.run_id or '(no id)'} was NOT built by the controller (built = false in {FILENAME}): "
+            f"run {run_id or '(no id)'} was NOT built by the controller (built = false in {FILENAME}): "
             "this box's build is the first one"
         )
     if manifest.unknown:
-        out.append(f"{FILENAME} has keys this fdl-prepare does not know, ignored: {', '.join(manifest.unknown)}")
+        unknown = ", ".join(human.printable(k) for k in manifest.unknown)
+        out.append(f"{FILENAME} has keys this fdl-prepare does not know, ignored: {unknown}")
     return out
 
 

@@ -291,6 +291,10 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
         done = _run_sshfs(argv, mountpoint, notes)
     except proc.Missing:
         raise _no_sshfs(source) from None
+    except proc.ExecFailed as failed:
+        raise transient(
+            f"{where}: sshfs could not be started ({failed}); the next attempt retries", reason="data.unreachable"
+        ) from None
     except proc.TimedOut as late:
         # sshfs puts the FUSE mount in place before its ssh has finished
         # connecting; killed now, it leaves a mount that answers ENOTCONN
@@ -317,7 +321,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
             # again, verbosely: those are the ones with a reason to give.
             try:
                 again = _run_sshfs(verbose, mountpoint, [])
-            except (proc.Missing, proc.TimedOut):
+            except (proc.ExecFailed, proc.TimedOut):
                 again = None
             if again is not None and again.ok and _is_sshfs_at(mountpoint):
                 return
@@ -326,7 +330,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
                 said = again.stderr
         else:
             said = f"no answer after {took:.0f}s; {said}"
-        raise _sshfs_failed(where, done, said, verbose)
+        raise _sshfs_failed(where, done, said, verbose, source)
     # sshfs exits 0 only once its connection is up, so a zero exit with
     # nothing mounted means the far side went away mid-handshake.
     if not _is_sshfs_at(mountpoint):
@@ -344,9 +348,42 @@ _KEY_REFUSED = re.compile(
 )
 
 
-def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str]) -> Fail:
+# What ssh says when the far side's host key is not the one known_hosts
+# holds for it, or none is known and checking is strict (BatchMode=yes
+# cannot ask): a person must look at the key and record it.
+_HOST_KEY = re.compile(
+    r"Host key verification failed|REMOTE HOST IDENTIFICATION HAS CHANGED|No \S+ host key is known for", re.I
+)
+
+
+def host_key_fix(host: str, port: int | None) -> str:
+    """How to record a host's key after checking it, for the messages."""
+    name = host if not port or port == 22 else f"[{host}]:{port}"
+    scan = f"ssh-keyscan{'' if not port or port == 22 else f' -p {port}'} {host}"
+    return (
+        f"compare `{scan}` (its fingerprints: `{scan} | ssh-keygen -lf -`) with the key the host's operator "
+        f"gives, then record it in the known_hosts file ssh uses (`ssh-keygen -R '{name}'` drops a changed one; "
+        f"`{scan} >> ~/.ssh/known_hosts`, or the UserKnownHostsFile in ssh.options)"
+    )
+
+
+def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str], source: Source) -> Fail:
     """Why sshfs exited non-zero, from what it (or its verbose retry) said."""
-    keys = [line.strip() for line in f"{done.stderr}\n{said}".splitlines() if _KEY_REFUSED.match(line.strip())]
+    everything = f"{done.stderr}\n{said}"
+    if _HOST_KEY.search(everything):
+        changed = "CHANGED" in everything.upper() and "IDENTIFICATION" in everything.upper()
+        what = (
+            "has a host key other than the one known_hosts holds for it (REMOTE HOST IDENTIFICATION HAS CHANGED: "
+            "a reinstalled host, or someone in between)"
+            if changed
+            else "has a host key ssh does not know, and strict checking cannot ask (Host key verification failed)"
+        )
+        return permanent(
+            f"{where}: the data host {what}. No retry changes known_hosts: {host_key_fix(source.host, source.port)}. "
+            f"Try it by hand: `{shlex.join(verbose)}`",
+            reason="data.host-key",
+        )
+    keys = [line.strip() for line in everything.splitlines() if _KEY_REFUSED.match(line.strip())]
     if keys:
         return permanent(
             f"{where}: ssh will not use the private key it was given (ssh said: {' / '.join(dict.fromkeys(keys))}). "
@@ -404,7 +441,7 @@ def _unmount(mountpoint: str) -> None:
         try:
             if proc.run(argv, timeout=MOUNT_TIMEOUT_S).ok:
                 return
-        except (proc.Missing, proc.TimedOut):
+        except (proc.ExecFailed, proc.TimedOut):
             continue
     raise transient(
         f"{mountpoint} carries a dead sshfs mount (transport endpoint not connected) that could not "

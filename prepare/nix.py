@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from prepare import caches, human, proc, state
 from prepare.fail import Fail, Reason, permanent, transient
+from prepare.fields import LIMITS
 from prepare.nix_diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix_log import Log, strip_ansi
 
@@ -98,6 +99,14 @@ class Prefetched:
         return f"path:{self.store_path}?narHash={quote(self.nar_hash, safe='')}"
 
 
+@dataclass(frozen=True)
+class FlakeIdentity:
+    """A flake as `nix flake metadata` resolved it (Nix.flake_identity)."""
+
+    key: str
+    locked_url: str
+
+
 @dataclass
 class Outcome:
     """A finished nix call: its result and what the log said."""
@@ -132,6 +141,9 @@ class Nix:
         self.registry = os.path.join(state_dir, "flake-registry.json")
         self.substituters = tuple(substituters)
         self.trusted_public_keys = tuple(trusted_public_keys)
+        # The TMPDIR the box gave, where nix builds (under a directory of
+        # the attempt's own, prepare.build): what a full disk names.
+        self.build_dir: str | None = None
 
     # -- flags -------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -161,8 +173,28 @@ class Nix:
     def _start(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Running:
         try:
             return proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
-        except proc.Missing:
-            raise self._missing() from None
+        except proc.ExecFailed as failed:
+            raise self._not_started(argv, failed) from None
+
+    def _not_started(self, argv: Sequence[str], failed: proc.ExecFailed) -> Fail:
+        """Why a nix call could not be started, by cause: nix missing, a
+        command line the kernel refuses, or a box out of processes."""
+        if isinstance(failed, proc.Missing):
+            return self._missing()
+        if isinstance(failed, proc.TooLong):
+            size = sum(len(str(a).encode()) + 1 for a in argv)
+            longest = max((len(str(a).encode()) for a in argv), default=0)
+            return permanent(
+                f"the nix command line is {human.size(size)} (its longest argument {human.size(longest)}), which the "
+                f"kernel refuses (E2BIG): a URL or argument past what a program can be given. fdl-prepare takes "
+                f"URLs of up to {LIMITS}; shorten the flake (--flake), source.from (--source) or nix.substituters "
+                "(--substituter) value",
+                reason="config.invalid",
+            )
+        return transient(
+            f"nix could not be started ({failed}): the box is short of processes or memory; the next attempt retries",
+            reason="nix.unknown",
+        )
 
     def _missing(self) -> Fail:
         path = (self.env or os.environ).get("PATH", "")
@@ -180,8 +212,8 @@ class Nix:
             raise self._missing()
         try:
             version = _version(resolved, self.env, os.path.join(self.state_dir, "nix-version.json"))
-        except proc.Missing:
-            raise self._missing() from None
+        except proc.ExecFailed as failed:
+            raise self._not_started([resolved, "--version"], failed) from None
         if version[:2] < OLDEST:
             raise permanent(
                 f"nix {'.'.join(map(str, version))} at {resolved} is older than {'.'.join(map(str, OLDEST))}, the "
@@ -207,7 +239,7 @@ class Nix:
         argv += ["--", installable]
         outcome = self._call(argv, timeout, doing or f"evaluating {installable}", EVALUATION, fix=fix)
         try:
-            return json.loads(outcome.completed.stdout)
+            return _json(outcome.completed)
         except (ValueError, RecursionError):
             raise permanent(
                 f"{doing or 'evaluating ' + installable}: nix printed no JSON "
@@ -250,14 +282,19 @@ class Nix:
 
         def finish() -> Prefetched:
             outcome = self._finish(running, log, doing, FETCH, unreachable=unreachable)
+            if outcome.completed.stdout_cut:
+                return _prefetched(url, "", doing)
             return _prefetched(url, outcome.completed.stdout, doing)
 
         return PendingFetch(finish, running.stop)
 
-    def flake_identity(self, flake: str, *, timeout: float = FETCH_TIMEOUT_S) -> str | None:
+    def flake_identity(self, flake: str, *, timeout: float = FETCH_TIMEOUT_S) -> FlakeIdentity | None:
         """What decides the flake's outputs, without evaluating them: the
-        flake resolved and locked (`nix flake metadata`), as one string, or
-        None when that cannot be told (the call failed, or the flake's tree
+        flake resolved and locked (`nix flake metadata`), as one string, and
+        the locked reference it was read from (its `url`: the tree by NAR
+        hash or revision), which every later call of the attempt evaluates
+        and builds, so what is recorded under the key is what the key came
+        from even if the flake changes meanwhile. None when that cannot be told (the call failed, or the flake's tree
         or one of its inputs has no content hash, e.g. a dirty git tree on
         some versions). None only ever means "evaluate as usual": a failure
         here is the evaluation's to report, with its own words and kind.
@@ -271,7 +308,7 @@ class Nix:
         argv = self._common() + ["flake", "metadata", "--json", "--no-write-lock-file", "--", flake]
         try:
             completed = self._run(argv, timeout, Log())
-            data = json.loads(completed.stdout) if completed.returncode == 0 else None
+            data = _json(completed) if completed.returncode == 0 else None
         except (proc.TimedOut, ValueError, RecursionError):
             return None
         if not isinstance(data, dict) or not isinstance(data.get("locked"), dict):
@@ -290,7 +327,24 @@ class Nix:
                     return None
                 inputs[name] = {k: v for k, v in locked.items() if k != "lastModified"}
         flake_locked = {k: v for k, v in data["locked"].items() if k != "lastModified"}
-        return json.dumps({"flake": flake_locked, "inputs": inputs}, sort_keys=True)
+        locked_url = data.get("url")
+        store_path = data.get("path")
+        if (
+            data["locked"].get("type") == "path"
+            and isinstance(store_path, str)
+            and store_path.startswith("/nix/store/")
+        ):
+            # A `path:` flake by the tree Nix just copied into the store: 2.26
+            # and later read a locked `path:` URL from its directory again,
+            # and a tree changed since is a hash mismatch there.
+            from urllib.parse import quote
+
+            locked_url = f"path:{store_path}?narHash={quote(nar_hash, safe='')}"
+        # A reference the later calls can take as it is: one URL, no fragment.
+        if not isinstance(locked_url, str) or not locked_url or any(c.isspace() or c in "#\0" for c in locked_url):
+            return None
+        key = json.dumps({"flake": flake_locked, "inputs": inputs}, sort_keys=True)
+        return FlakeIdentity(key=key, locked_url=locked_url)
 
     def build(
         self,
@@ -325,7 +379,7 @@ class Nix:
         wall = None if timeout_s is None else timeout_s + BUILD_GRACE_S
         outcome = self._call(argv, wall, doing, BUILD, source_path=source_path)
         try:
-            results = [build_result(r) for r in json.loads(outcome.completed.stdout)]
+            results = [build_result(r) for r in _json(outcome.completed)]
         except (ValueError, TypeError, RecursionError):
             raise transient(
                 f"{doing}: nix build printed no JSON result of a known shape "
@@ -394,10 +448,20 @@ class Nix:
         if dropped is not None:
             raise dropped
         if not outcome.ok:
+            build_dir = self.build_dir or (self.env if self.env is not None else os.environ).get("TMPDIR") or "/tmp"
             raise explain(
-                phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable
-            )
+                phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable,
+                build_dir=build_dir,
+            )  # fmt: skip
         return outcome
+
+
+def _json(completed: proc.Completed) -> Any:
+    """A call's JSON; ValueError when it printed more than is kept
+    (proc.OUTPUT_BYTES), which no answer of Nix's to us is."""
+    if completed.stdout_cut:
+        raise ValueError(f"nix printed over {human.size(proc.OUTPUT_BYTES)} on stdout")
+    return json.loads(completed.stdout)
 
 
 class PendingFetch:

@@ -135,6 +135,11 @@ _BAD_URL = (
 # "building of '/nix/store/…-x.drv!out' from .drv file timed out after 2
 # seconds" (2.8; 2.26 writes "^out"); "timed out after 2 seconds" (2.34).
 _TIMEOUT = r"timed out after \d+ seconds"
+# ssh (under git, for a git+ssh source or input) refusing the far side's
+# host key: none known and strict checking on (BatchMode cannot ask), or
+# another than known_hosts holds. A person must check and record the key;
+# retrying fetches nothing. Checked before the fetch fallback.
+_HOST_KEY = r"host key verification failed|remote host identification has changed|no \S+ host key is known for"
 # A cache that says no, or a URL that names no store Nix can write: no retry
 # changes either. 2.8 and 2.26 word these alike.
 _CACHE_REFUSED = (
@@ -175,7 +180,8 @@ def _pattern(source: str) -> re.Pattern[str]:
 @dataclass(frozen=True)
 class Diagnosis:
     # hash-mismatch, no-space, build-users, daemon-refused, store-permission, build-dir, daemon, timeout,
-    # builder, flake-builder, bad-url, fetch, evaluation, unknown; a publish's: signing, cache-refused, cache
+    # builder, flake-builder, bad-url, host-key, fetch, evaluation, unknown; a publish's: signing,
+    # cache-refused, cache
     category: str
     permanent: bool
     detail: str
@@ -213,6 +219,10 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
         return Diagnosis("hash-mismatch", True, detail)
     if _pattern(_NO_SPACE).search(text):
         return Diagnosis("no-space", True, detail)
+    # The builder's own disk (the build directory, under TMPDIR) filled up:
+    # its log says so, Nix's error only that it failed.
+    if phase == BUILD and _pattern(_NO_SPACE).search(_build_logs(log)):
+        return Diagnosis("build-dir-full", True, detail)
     if _pattern(_BUILD_USERS).search(text):
         return Diagnosis("build-users", True, detail)
     if _pattern(_DAEMON_REFUSED).search(text):
@@ -231,6 +241,8 @@ def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
         return Diagnosis("builder", False, detail)
     if log.errors and _pattern(_BAD_URL).search(text):
         return Diagnosis("bad-url", True, detail)
+    if _pattern(_HOST_KEY).search(text) or _pattern(_HOST_KEY).search("\n".join(log.other)):
+        return Diagnosis("host-key", True, detail)
     if _pattern(_FETCH).search(text) or _pattern(_FETCH).search("\n".join(log.other)):
         return Diagnosis("fetch", False, detail)
     if not log.errors:
@@ -261,6 +273,9 @@ _FIXES = {
     "(the 'got:' value above) or the pin that produced it",
     "no-space": "the Nix store's disk is full: free space with `nix-collect-garbage -d` (or `nix-store --gc`) "
     "or grow the disk, then run again",
+    "build-dir-full": "the disk Nix builds on is full (the build directory, under TMPDIR={build_dir}), not the "
+    "training source: see `df -h {build_dir}`, free space there or point TMPDIR at a larger disk (a build of "
+    "libtorch and a training binary needs gigabytes), then run again",
     "store-permission": "this user cannot write the Nix store: run as the store's owner (root on a single-user "
     "install) or through the daemon (NIX_REMOTE=daemon, with nix-daemon running)",
     "build-users": "this is the Nix installation, not the flake: Nix builds as the members of its "
@@ -288,6 +303,10 @@ _FIXES = {
     "no retry will: correct source.from in [join.source] (--source) or flake (--flake), whichever it is (or the "
     "input the flake declares with it)",
     "fetch": "check the network, the URL and its ref; the next attempt retries",
+    "host-key": "ssh refused the git host's key (unknown to known_hosts, or another than it holds), and no retry "
+    "records one: compare `ssh-keyscan [-p PORT] HOST` (`| ssh-keygen -lf -` for its fingerprints) with the key "
+    "the host's operator gives, then add it to the known_hosts file of the user fdl-prepare runs as (root: "
+    "/root/.ssh/known_hosts; `ssh-keygen -R HOST` first drops a changed one)",
     "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
     "unknown": "the next attempt retries",
     "signing": "check that --signing-key names a Nix secret key file (`nix key generate-secret --key-name NAME "
@@ -306,6 +325,7 @@ _FIXES = {
 REASONS: dict[str, Reason] = {
     "hash-mismatch": "nix.hash-mismatch",
     "no-space": "nix.no-space",
+    "build-dir-full": "nix.no-space",
     "build-users": "nix.build-users-missing",
     "daemon-refused": "nix.daemon-refused",
     "store-permission": "nix.store-not-writable",
@@ -316,6 +336,7 @@ REASONS: dict[str, Reason] = {
     "flake-builder": "nix.flake-build-failed",
     "bad-url": "nix.bad-url",
     "fetch": "nix.fetch",
+    "host-key": "nix.host-key",
     "evaluation": "nix.evaluation",
     "unknown": "nix.unknown",
     "signing": "publish.signing-failed",
@@ -331,6 +352,7 @@ def failure(
     fix: str | None = None,
     extra: str = "",
     unreachable: Reason = "nix.fetch",
+    build_dir: str = "/tmp",
 ) -> Fail:
     """An operator-facing Fail: what was being done, what Nix said, the fix.
 
@@ -351,6 +373,8 @@ def failure(
     if extra:
         message += f"\n{extra}"
     chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
+    if diagnosis.category == "build-dir-full":
+        chosen = chosen.format(build_dir=build_dir)
     message += f"\nFix: {chosen}"
     reason = unreachable if diagnosis.category == "fetch" else REASONS[diagnosis.category]
     # Nix and git quote URLs as they found them, a flake's own inputs too.
@@ -371,6 +395,7 @@ def explain(
     fix: str | None = None,
     source_path: str | None = None,
     unreachable: Reason = "nix.fetch",
+    build_dir: str = "/tmp",
 ) -> Fail:
     """The Fail for a nix call that exited non-zero: the diagnosis, refined
     with what only the caller knows (which tree is the training source), and
@@ -379,7 +404,7 @@ def explain(
     extra = ""
     if diagnosis.category == "builder" and not _builds_from(log.failed_build(), source_path):
         diagnosis = Diagnosis("flake-builder", True, diagnosis.detail)
-    if diagnosis.category in ("builder", "flake-builder", "timeout"):
+    if diagnosis.category in ("builder", "flake-builder", "timeout", "build-dir-full"):
         failed = log.failed_build()
         if failed is not None and failed.log:
             extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
@@ -387,7 +412,7 @@ def explain(
         # git and ssh write the actual cause (refused, unknown ref,
         # bad host key) as plain lines; Nix only says git failed.
         extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
-    return failure(diagnosis, doing, fix=fix, extra=extra, unreachable=unreachable)
+    return failure(diagnosis, doing, fix=fix, extra=extra, unreachable=unreachable, build_dir=build_dir)
 
 
 # The store name of the training source as the training derivation gets it:

@@ -37,10 +37,27 @@ RES_PROGRESS = 105
 RES_SET_EXPECTED = 106
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# What a log keeps, whatever a call prints (a builder writing megabytes of
+# log, a flake throwing a huge message): the last of each, each cut short.
+MAX_MESSAGES = 50
+MAX_TEXT = 8 << 10
+MAX_LOG_LINE = 1 << 10
 
 
 def strip_ansi(text: str) -> str:
     return _ANSI.sub("", text)
+
+
+def _clean(text: str, limit: int = MAX_TEXT) -> str:
+    """A message or log line from Nix, a builder or a fetcher, fit to quote:
+    colours gone, other control characters escaped (a builder's output is
+    the training source's, and must not drive the operator's terminal),
+    newlines kept, cut at `limit`."""
+    from prepare.human import printable
+
+    text = strip_ansi(text if len(text) <= 2 * limit else text[: 2 * limit])
+    text = printable(text, lines=True)
+    return text if len(text) <= limit else text[:limit] + " ... (cut)"
 
 
 def store_name(path: str) -> str:
@@ -75,6 +92,12 @@ class Activity:
         return strip_ansi(self.text)
 
 
+def _keep(kept: list[str], text: str) -> None:
+    kept.append(text)
+    if len(kept) > MAX_MESSAGES:
+        del kept[0]
+
+
 def _is_fetching(act: Activity) -> bool:
     """An untyped activity whose text says it is fetching something: shown
     as a download, like a typed file transfer."""
@@ -91,6 +114,7 @@ class Log:
     def __init__(self, on_event: Progress | None = None) -> None:
         self.on_event = on_event
         self.activities: dict[int, Activity] = {}
+        # The last MAX_MESSAGES of each (`_keep`).
         self.errors: list[str] = []
         self.warnings: list[str] = []
         # stderr lines that are not records: git's and ssh's own messages
@@ -113,12 +137,12 @@ class Log:
         line = line.rstrip("\n")
         if not line.startswith("@nix "):
             if line.strip():
-                self.other.append(strip_ansi(line))
+                self.other.append(_clean(line, MAX_LOG_LINE))
             return
         try:
             record = json.loads(line[5:])
-        except ValueError:
-            self.other.append(strip_ansi(line))
+        except (ValueError, RecursionError):
+            self.other.append(_clean(line, MAX_LOG_LINE))
             return
         if isinstance(record, dict):
             # A malformed record must not kill the reader thread.
@@ -135,7 +159,7 @@ class Log:
             self._result(record)
         elif action == "msg":
             level = record.get("level", 3)
-            text = strip_ansi(str(record.get("msg", ""))).strip()
+            text = _clean(str(record.get("msg", ""))).strip()
             # A daemon's warnings reach its client at error level (the client
             # prints what the daemon sends as an error, 2.8 and 2.26 alike),
             # and "disabling binary cache" is printed as one: they say so.
@@ -145,15 +169,15 @@ class Log:
             # whatever its quotes.
             hint = text.startswith("(use ") and "--show-trace" in text
             if level == 0 and text and not hint and not daemon_warning:
-                self.errors.append(text)
+                _keep(self.errors, text)
             elif level <= 1 and text:
-                self.warnings.append(text)
+                _keep(self.warnings, text)
 
     def _start(self, record: dict[str, Any]) -> None:
         act = Activity(
             id=int(record["id"]),
             type=int(record.get("type", 0)),
-            text=str(record.get("text", "")),
+            text=_clean(str(record.get("text", "")), MAX_LOG_LINE),
             fields=list(record.get("fields") or []),
             parent=record.get("parent"),
             started=time.monotonic(),
@@ -197,7 +221,7 @@ class Log:
         kind = record.get("type")
         fields = record.get("fields") or []
         if kind == RES_BUILD_LOG_LINE and fields:
-            act.log.append(strip_ansi(str(fields[0])))
+            act.log.append(_clean(str(fields[0]), MAX_LOG_LINE))
         elif kind == RES_SET_PHASE and fields and act.type == ACT_BUILD:
             act.phase = str(fields[0])
             self._emit("build-phase", act, phase=act.phase)

@@ -24,22 +24,22 @@ def write_recipe(state: str, recipe: dict[str, Any]) -> str:
     """recipe.json, alone in its directory (the flake input copies the whole
     directory into the store), replaced atomically.
 
-    Written as root into a directory root also prunes, so nothing here
-    follows a link (prepare.state): the directory is opened with
-    O_NOFOLLOW, the new file gets a random name in the state directory,
-    created with O_EXCL, and a failed write (a full disk) leaves no
-    temporary file behind. Every failure is a permanent Fail."""
+    Written as root, so nothing here follows a link (prepare.state): the
+    directory is opened with O_NOFOLLOW, the new file gets a random name in
+    the state directory, created with O_EXCL, and a failed write (a full
+    disk) leaves no temporary file behind. A recipe directory holding
+    anything else is not one fdl-prepare made: it is refused, and nothing in
+    it removed. Every failure is a permanent Fail."""
     directory = os.path.join(state, "recipe")
     what = "state directory's recipe directory"
     data = (json.dumps(recipe, sort_keys=True, indent=2) + "\n").encode()
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o755)
-        with state_mod.opened_dir(state, "state directory") as state_fd, state_mod.opened_dir(directory, what) as fd:
-            state_mod.write_at(fd, "recipe.json", data, tmp_dir=state_fd)
-            for stray in os.listdir(fd):
-                if stray != "recipe.json":
-                    state_mod.remove_at(fd, stray, os.path.join(directory, stray))
+        with state_mod.opened_dir(state, "state directory") as state_fd:
+            state_mod.recipe_strays(directory, state_fd)
+            with state_mod.opened_dir(directory, what) as fd:
+                state_mod.write_at(fd, state_mod.RECIPE_FILE, data, tmp_dir=state_fd)
     except OSError as err:
         raise dirs.unusable(
             directory, f"the recipe handed to the flake ({directory}/recipe.json)", "the state directory", err,

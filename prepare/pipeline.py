@@ -79,7 +79,7 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
             from prepare import smoke
 
             with _timed(timings, "smoke"):
-                smoke.run(built.bin, built.smoke, spec.smoke_timeout_s, notes)
+                smoke.run(built.bin, built.smoke, spec.smoke_timeout_s, notes, user=spec.smoke_user)
 
     # The cards the run uses are the chosen libtorch's vendor's (a CPU build
     # leaves them idle but they stay offered, in the numbering auto favours).

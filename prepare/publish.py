@@ -10,16 +10,20 @@ derivations and substitutes them.
 
 The order is the point:
 
-1. Checks that cost nothing: the tree, the recipe, the variants, the cache
-   URL, the key file (its name only: the key is never read here, never on
-   a command line, never in a message).
-2. `.fdl-run.toml` is removed from the tree before anything else. The
-   manifest is the commit point: a box that fetches mid-publish, or after a
-   failed one, finds none and waits (transient) instead of training
-   something nobody built or validated.
-3. The tree is fetched through Nix as a box fetches it: a git checkout as
-   its committed HEAD, by revision (uncommitted changes are not published),
-   any other directory as it is.
+1. Checks that cost nothing: the tree, the recipe, the variants named, the
+   cache URL, the key file (its name and mode only: the key is never read
+   here, never on a command line, never in a message), the smoke and run
+   arguments.
+2. Checks that take Nix, still before anything is touched: the state
+   directory, the flake (resolved once and pinned, as a box pins it) and
+   its variants, the tree fetched through Nix as a box fetches it (a git
+   checkout as its committed HEAD, by revision: uncommitted changes are not
+   published; any other directory as it is) and the recipe's cwd in it.
+   Any of them failing leaves the live manifest, and the fleet's run, alone.
+3. `.fdl-run.toml` is removed from the tree. The manifest is the commit
+   point: a box that fetches mid-publish, or after a failed one, finds none
+   and waits (transient) instead of training something nobody built or
+   validated.
 4. For each variant, in the order given: build (the same step a box runs,
    with GC roots per variant under the publish's state directory), sign the
    closure, copy it to the cache. A failure names the variant and the step,
@@ -40,19 +44,21 @@ import dataclasses
 import os
 import posixpath
 import secrets
+import shlex
 import socket
 import stat
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 from prepare import build as build_mod
 from prepare import caches, human, proc
 from prepare import manifest as manifest_mod
 from prepare import variants as variants_mod
 from prepare.fail import Fail, permanent, transient
-from prepare.fields import store_urls
+from prepare.fields import _arguments, store_urls
 from prepare.spec import PrepareSpec, SourceSpec
 
 if TYPE_CHECKING:
@@ -137,9 +143,8 @@ def publish(
     interruption, the tree holds no manifest."""
     root, variants, to = _check(spec, notes)
     manifest_path = os.path.join(root, manifest_mod.FILENAME)
-    _remove_manifest(manifest_path, notes)
     rev = _git_rev(root, notes)
-    url = f"git+file://{root}?rev={rev}" if rev else f"path:{root}"
+    url = source_url(root, rev)
     box = PrepareSpec(
         source=SourceSpec(from_=url, cwd=spec.cwd, build=spec.build, bin=spec.bin),
         libtorch=variants[0],
@@ -150,7 +155,12 @@ def publish(
     timings: dict[str, float] = {}
     outputs: dict[str, Output] = {}
     started = time.monotonic()
+    # Everything that can be checked is, before the live manifest goes: the
+    # state directory, Nix, the flake and its variants, the tree as the
+    # boxes fetch it and the recipe's cwd in it. A typo must not take the
+    # fleet's current run offline.
     with build_mod.start(box, notes, progress, nix_program=nix_program, env=env) as session:
+        build_mod.lock_flake(session)
         known = _flake_variants(session)
         missing = [v for v in variants if v not in known]
         if missing:
@@ -164,6 +174,7 @@ def publish(
             url, doing=f"fetching the training source {url!r}", unreachable="source.unreachable"
         )
         source = build_mod.Source(fetched=fetched, recipe=_recipe(spec, fetched.store_path))
+        _remove_manifest(manifest_path, notes)
         for label in variants:
             session.spec = replace(box, libtorch=label)
             outputs[label] = _variant(session, known[label], source, to, spec.signing_key, timings)
@@ -200,10 +211,17 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
             f"the training source {spec.source!r} is not a directory: give the tree to publish",
             reason="publish.invalid",
         )
-    if any(c.isspace() for c in root):
+    if any(c.isspace() or not c.isprintable() for c in root):
         raise permanent(
-            f"the training source {root!r} contains whitespace, which Nix refuses in a URL: move or link it to a "
-            "path without spaces",
+            f"the training source {root!r} contains whitespace or a control character, which Nix refuses in a URL: "
+            "move or link it to a path without them",
+            reason="publish.invalid",
+        )
+    if any(c in "?#%" for c in root) and not os.path.exists(os.path.join(root, ".git")):
+        raise permanent(
+            f"the training source {root!r} has a '?', '#' or '%' in its path: a `path:` URL would read it as a "
+            "query or a fragment (Nix does not decode one), and the boxes would fetch another tree. Move or link "
+            "it to a path without them, or publish it as a git checkout",
             reason="publish.invalid",
         )
     for name, value, allow_dot in (("--bin", spec.bin, False), ("--cwd", spec.cwd, True)):
@@ -232,9 +250,20 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
             "`nix key convert-secret-to-public < FILE` for the boxes)",
             reason="publish.invalid",
         )
-    mode = os.stat(key).st_mode
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
-        notes.append(f"the signing key {key} can be read by other users (mode {stat.S_IMODE(mode):04o}): chmod 600 it")
+    st = os.stat(key)
+    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        # Whoever read it can sign anything every box runs as root.
+        raise permanent(
+            f"--signing-key {key!r} can be read by other users (mode {stat.S_IMODE(st.st_mode):04o}): whoever has "
+            "read it can sign paths every box trusts, and boxes run them as root. Treat it as leaked: make a new "
+            f"key pair (`nix key generate-secret --key-name NAME > FILE`, `chmod 600 FILE`), give the boxes its "
+            "public half (nix.trusted_public_keys) in place of the old one, and publish again",
+            reason="publish.invalid",
+        )
+    for flag, values in (("--smoke", spec.smoke), ("--arg", spec.args)):
+        problem = None if values is None else _arguments(list(values))
+        if problem is not None:
+            raise permanent(f"{flag}: {problem}", reason="publish.invalid")
     if (spec.commit or spec.push) and not os.path.exists(os.path.join(root, ".git")):
         raise permanent(
             f"--commit/--push need a git checkout, and {root} is not one: drop them; boxes that fetch this "
@@ -244,6 +273,21 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
     if spec.push and not spec.commit:
         notes.append("--push commits the manifest first (--commit is implied)")
     return root, variants, to
+
+
+def source_url(root: str, rev: str | None) -> str:
+    """The flake URL a box would fetch the tree by: a git checkout by its
+    path, percent-encoded (Nix decodes a git+file: URL's path), and the
+    commit; any other directory as `path:` (whose path Nix 2.8 does not
+    decode: `_check` refuses one that would need it)."""
+    if rev is not None:
+        path = quote(root, safe="/")
+        # Nix 2.8 takes a git+file: URL whose path it had to decode for a
+        # remote one, and fetches a remote's default branch for a bare rev:
+        # `ref=HEAD` names where the commit is (any branch, or none).
+        ref = "" if path == root else "ref=HEAD&"
+        return f"git+file://{path}?{ref}rev={quote(rev, safe='')}"
+    return f"path:{root}"
 
 
 def _relative(name: str, value: str, allow_dot: bool) -> None:
@@ -429,6 +473,8 @@ def _git(root: str, *args: str, timeout: float = GIT_TIMEOUT_S) -> proc.Complete
             f"{root} is a git checkout but git is not installed: `sudo apt-get install git`",
             reason="publish.git-missing",
         ) from None
+    except proc.ExecFailed as failed:
+        raise transient(f"git could not be started ({failed}); publish again", reason="publish.git-timeout") from None
     except proc.TimedOut:
         raise transient(
             f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s", reason="publish.git-timeout"
@@ -482,7 +528,12 @@ def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tu
     if rev is None:
         return None, False, None
     message = f"publish run {run_id}"
-    by_hand = f"git -C {root} add -f {name} && git -C {root} commit -m '{message}' -- {name} && git -C {root} push"
+    # Quoted: the path is the operator's, and may hold what a shell reads.
+    git = ["git", "-C", root]
+    by_hand = " && ".join(
+        shlex.join(argv)
+        for argv in ([*git, "add", "-f", name], [*git, "commit", "-m", message, "--", name], [*git, "push"])
+    )
     if not (spec.commit or spec.push):
         return (
             None,
@@ -497,18 +548,24 @@ def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tu
     done = _git(root, "commit", "-q", "-m", message, "--", name) if added.ok else added
     if not done.ok:
         raise permanent(
-            f"the manifest is written but `git commit` failed: {(done.stderr or done.stdout).strip()[-500:]}. "
+            "the manifest is written but `git commit` failed: "
+            f"{human.printable((done.stderr or done.stdout).strip()[-500:], lines=True)}. "
             f"Commit it by hand: {by_hand}",
             reason="publish.git-failed",
         )
     commit = _git(root, "rev-parse", "HEAD").stdout.strip()
     if not spec.push:
-        return commit, False, f"push {commit[:12]} (git -C {root} push); boxes pick the run up once it is pushed"
+        return (
+            commit,
+            False,
+            f"push {commit[:12]} ({shlex.join(git + ['push'])}); boxes pick the run up once it is pushed",
+        )
     pushed = _git(root, "push", "-q", timeout=PUSH_TIMEOUT_S)
     if not pushed.ok:
         raise transient(
             f"the manifest is committed ({commit[:12]}) but `git push` failed: "
-            f"{(pushed.stderr or pushed.stdout).strip()[-500:]}. Push it: git -C {root} push",
+            f"{human.printable((pushed.stderr or pushed.stdout).strip()[-500:], lines=True)}. Push it: "
+            f"{shlex.join(git + ['push'])}",
             reason="publish.push-failed",
         )
     return commit, True, None

@@ -11,6 +11,14 @@ file) may carry one.
 Over HTTP the whole user-info is hidden (a user alone may be a token); over
 other schemes (ssh, sshfs) the user is a login name and stays, and only a
 password after it is hidden.
+
+A token in a URL's query is the same secret in another place
+(`?access_token=...`, `&private_token=`, an S3 or Azure signature): its
+value is hidden wherever a URL's query is, and such a URL is refused in the
+settings as one with user-info is. A parameter counts when its name says it
+holds a secret (`SECRET_PARAMS`, or a name holding "token", "passw",
+"secret" or "signature"), and its value is not a file's path (Nix's
+`secret-key=/etc/nix/key` names a file, it is not the key).
 """
 
 from __future__ import annotations
@@ -22,6 +30,37 @@ HIDDEN = "***"
 # scheme://user-info@ : the user-info stops at the first character a URL's
 # authority cannot hold before the host.
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^\s/@'\"`<>?#]+)@")
+
+
+SECRET_PARAMS = frozenset(
+    {
+        "access_token", "token", "private_token", "auth", "auth_token", "id_token", "refresh_token", "password",
+        "passwd", "pass", "pwd", "secret", "client_secret", "api_key", "apikey", "key", "sig", "signature",
+        "x-amz-signature", "x-amz-security-token", "x-amz-credential", "aws_secret_access_key",
+        "aws_session_token", "sas", "sv_sig",
+    }
+)  # fmt: skip
+_SECRET_WORDS = ("token", "passw", "secret", "signature", "credential")
+# name=value in a URL's query (after ? or &, up to the next & # or a
+# character no URL carries).
+_QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[A-Za-z0-9_.~+%-]+)=(?P<value>[^&#\s'\"`<>]*)")
+
+
+def secret_param(name: str, value: str) -> bool:
+    """Whether the query parameter `name=value` carries a credential."""
+    from urllib.parse import unquote
+
+    low = unquote(name).lower()
+    plain = unquote(value)
+    if not plain or plain == HIDDEN or plain.startswith("/"):
+        return False
+    return low in SECRET_PARAMS or low.replace("-", "_") in SECRET_PARAMS or any(w in low for w in _SECRET_WORDS)
+
+
+def _hide_param(match: re.Match[str]) -> str:
+    if secret_param(match["name"], match["value"]):
+        return f"{match['lead']}{match['name']}={HIDDEN}"
+    return match[0]
 
 
 def _http(scheme: str) -> bool:
@@ -38,21 +77,28 @@ def _hide(match: re.Match[str]) -> str:
 
 
 def redact(text: str) -> str:
-    """`text` with every URL's secret user-info replaced by ***."""
-    if "@" not in text:
-        return text
-    return _USERINFO.sub(_hide, text)
+    """`text` with every URL's secret user-info, and every secret query
+    parameter's value, replaced by ***."""
+    if "@" in text:
+        text = _USERINFO.sub(_hide, text)
+    if "=" in text:
+        text = _QUERY_PARAM.sub(_hide_param, text)
+    return text
 
 
 def credentials(url: str) -> str | None:
-    """What in `url` is a credential ("a password", "a user name or token"),
-    or None when it carries none."""
+    """What in `url` is a credential ("a password", "a user name or token",
+    "a token in its query (access_token=)"), or None when it carries none."""
     match = _USERINFO.match(url.strip())
-    if match is None:
-        return None
-    info = match["info"]
-    if ":" in info:
-        return "a password"
-    if _http(match["scheme"]):
-        return "a user name or token"
+    if match is not None:
+        info = match["info"]
+        if ":" in info:
+            return "a password"
+        if _http(match["scheme"]):
+            return "a user name or token"
+    _, sep, query = url.partition("?")
+    if sep:
+        for found in _QUERY_PARAM.finditer("?" + query.split("#", 1)[0]):
+            if secret_param(found["name"], found["value"]):
+                return f"a token in its query ({found['name']}=)"
     return None

@@ -9,8 +9,11 @@ the GPU fails here instead of after the controller admitted the box.
 The run's recipe says how (`smoke`, a list of arguments: `[join.source]
 smoke`, outranked by the run manifest's, since the publisher knows what its
 binary takes); an empty list, or none, runs nothing. The binary starts in
-its run's cwd, with this process's environment, as the run would, and is
-killed at `smoke_timeout` (`--smoke-timeout`).
+its run's cwd (a read-only store path), as the training would: never as
+root, with no capabilities, a clean environment and everything it starts
+stopped when it ends (prepare.confine, `smoke_user`), and is killed at
+`smoke_timeout` (`--smoke-timeout`). What it prints is kept to its last
+OUTPUT_BYTES, whatever it prints, and a message quotes its last lines.
 
 Kinds: the loader refusing the binary (a library not found, a symbol
 missing, a wrong ELF) is permanent: no retry puts a library where the
@@ -27,14 +30,17 @@ import shlex
 import time
 from collections.abc import Sequence
 
-from prepare import proc
+from prepare import confine, human, proc
 from prepare.fail import Fail, permanent, transient
 from prepare.spec import Binary
 
 DEFAULT_TIMEOUT_S = 60.0
 # Enough of the end of the output to show why; the start is usually banners.
 LAST_LINES = 20
-LAST_LINE_CHARS = 300
+# Of each line quoted, and of all the output kept: a binary that prints a
+# gigabyte costs this much memory and message, no more.
+LINE_CHARS = 400
+OUTPUT_BYTES = 64 << 10
 
 # What glibc's loader (and musl's) says when it cannot start a program:
 # "error while loading shared libraries: libcuda.so.1: cannot open shared
@@ -47,34 +53,68 @@ _LOADER = re.compile(
 _LIBRARY = re.compile(r"(lib[\w.+-]+\.so[\w.]*): cannot open shared object file")
 
 
-def run(binary: Binary, args: Sequence[str], timeout_s: float, notes: list[str]) -> None:
-    """Run `binary` with `args` once; raise a Fail when it does not exit 0."""
+def run(
+    binary: Binary, args: Sequence[str], timeout_s: float, notes: list[str], *, user: str = confine.DEFAULT_USER
+) -> None:
+    """Run `binary` with `args` once, confined (as `user` when root); raise
+    a Fail when it does not exit 0."""
     argv = [binary.path, *args]
-    shown = f"`{shlex.join(argv)}` (in {binary.cwd})"
+    confinement = confine.enter(user)
+    command = human.printable(shlex.join(argv))
+    if len(command) > LINE_CHARS:
+        command = command[:LINE_CHARS] + " ... (cut)"
+    shown = f"`{command}` (in {binary.cwd})"
     started = time.monotonic()
     try:
-        done = proc.run(argv, timeout=timeout_s, cwd=binary.cwd)
+        done = proc.run(argv, timeout=timeout_s, cwd=binary.cwd, max_stdout=OUTPUT_BYTES, confine=confinement)
     except proc.Missing:
         raise permanent(
-            f"smoke run: the built binary {binary.path} cannot be run (missing, or not executable): the flake "
-            "built a training output without its binary; fix the flake (nix/CONTRACT.md: bin/ holds the "
-            "recipe's bin, executable)",
+            f"smoke run: the built binary {binary.path} cannot be run (missing, or not executable by "
+            f"{confinement.user}): the flake built a training output without its binary; fix the flake "
+            "(nix/CONTRACT.md: bin/ holds the recipe's bin, executable)",
             reason="smoke.loader",
+        ) from None
+    except proc.TooLong:
+        size = sum(len(a.encode()) + 1 for a in argv)
+        raise transient(
+            f"smoke run {shown}: the kernel refused its command line ({human.size(size)}, E2BIG): the smoke "
+            "arguments are longer than a program can be given. Shorten the run manifest's smoke list and publish "
+            "again (or [join.source] smoke, --smoke, on the box)",
+            reason="smoke.failed",
+        ) from None
+    except proc.ConfinementFailed as failed:
+        raise permanent(
+            f"smoke run {shown}: could not drop to {confinement.user} ({failed.step.replace('_', ' ')} failed: "
+            f"{failed}); the training source's code is never run with root's. fdl-prepare needs CAP_SETUID, "
+            "CAP_SETGID and CAP_SETPCAP for it (the units keep them): give them back to the unit or container, "
+            "or run fdl-prepare as an unprivileged user",
+            reason="smoke.confinement",
+        ) from None
+    except proc.ExecFailed as failed:
+        raise transient(
+            f"smoke run {shown} could not be started ({failed}): the box is short of processes or memory; the "
+            "next attempt retries",
+            reason="smoke.failed",
         ) from None
     except proc.TimedOut as late:
         raise transient(
-            f"smoke run {shown} did not finish within {timeout_s:g}s and was stopped"
+            f"smoke run {shown} did not finish within {timeout_s:g}s and was stopped, with everything it started"
             + _tail("its last lines on stderr", late.stderr)
             + ". The next attempt retries; raise smoke_timeout (--smoke-timeout) if its start is legitimately "
             "slow, or make the smoke arguments do less",
             reason="smoke.timeout",
         ) from None
+    finally:
+        confine.leave(confinement)
     seconds = time.monotonic() - started
     if done.ok:
         # The binary's own last word (a training step's loss, say) is the
         # evidence; one line, bounded, is enough to show it.
         said = next((line.strip() for line in reversed(done.stdout.splitlines()) if line.strip()), "")
-        notes.append(f"smoke run {shown} passed in {seconds:.2f}s" + (f": {said[:LAST_LINE_CHARS]}" if said else ""))
+        notes.append(
+            f"smoke run {shown} passed in {seconds:.2f}s ({confinement.describe(done.confined)})"
+            + (f": {said[:LINE_CHARS]}" if said else "")
+        )
         return
     raise _failed(shown, done, binary)
 
@@ -110,7 +150,11 @@ def _failed(shown: str, done: proc.Completed, binary: Binary) -> Fail:
 
 
 def _tail(what: str, text: str) -> str:
+    """The last lines of what the binary said, each cut and escaped: its
+    output is the training source's, and must not write on the operator's
+    terminal or forge a line of ours."""
     lines = [line for line in text.splitlines() if line.strip()][-LAST_LINES:]
     if not lines:
         return ""
-    return f"; {what}:\n  " + "\n  ".join(lines)
+    shown = [human.printable(line if len(line) <= LINE_CHARS else line[:LINE_CHARS] + " ... (cut)") for line in lines]
+    return f"; {what}:\n  " + "\n  ".join(shown)

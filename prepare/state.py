@@ -7,6 +7,14 @@ Nix version. fdl-prepare runs as root and replaces and prunes entries here,
 so an entry that is a symlink would send those writes, and the recipe's
 stray removal, wherever the link points.
 
+It is never `/` or a directory of a pseudo file system (/proc, /sys,
+/dev, cgroups: nothing there is a place to keep state, and writing there
+can do harm), and never a directory holding entries fdl-prepare does not
+know: a state directory pointed at a directory of someone else's (`/srv`,
+a home) is refused, naming what is there, rather than having its
+`recipe/` or `gcroots/` taken for ours. Leftover temporary files of ours
+(a write stopped by SIGKILL) are removed.
+
 So the directory and every entry of ours in it are looked at with lstat
 and opened with O_NOFOLLOW (through a directory fd), must be of the type we
 keep there and owned by the running user, and the directory must be
@@ -23,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
+import re
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,9 +40,7 @@ from prepare import human
 from prepare.fail import Fail, permanent
 
 # Our entries and their types: True for a directory, False for a file.
-# Entries we do not know (a publish's own state directory, leftovers of a
-# newer version) are left alone; `gcroots` is made here, the rest when
-# first written.
+# `gcroots` is made here, the rest when first written.
 ENTRIES = {
     "gcroots": True,
     "recipe": True,
@@ -42,7 +48,27 @@ ENTRIES = {
     "warm.json": False,
     "flake-registry.json": False,
     "nix-version.json": False,
+    "nix-tmp": False,
 }
+# Entries ours that are not vetted as ENTRIES are: a publish's own state
+# directory (`<state>/publish`, vetted when a publish uses it).
+OTHER_ENTRIES = frozenset({"publish"})
+# What `write_at` names a file while it writes it, in the state directory,
+# and what earlier versions named one (`recipe.json.<pid>.tmp`): one left
+# by a write stopped by SIGKILL is ours, and goes.
+_OURS = "|".join(re.escape(n) for n in (*ENTRIES, "recipe.json"))
+_TMP_NAME = re.compile(rf"\.(?:{_OURS})\.[0-9a-f]{{16}}\.tmp|(?:{_OURS})\.[0-9]+\.tmp")
+# The recipe directory holds the recipe alone (the flake input copies all of it).
+RECIPE_FILE = "recipe.json"
+# File systems that are no place for state: the kernel's views of itself.
+PSEUDO_FS = frozenset(
+    {
+        "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "pstore",
+        "bpf", "configfs", "fusectl", "mqueue", "hugetlbfs", "efivarfs", "autofs", "binfmt_misc", "selinuxfs",
+        "nsfs", "rpc_pipefs", "nfsd",
+    }
+)  # fmt: skip
+_PSEUDO_TREES = ("/proc", "/sys", "/dev")
 
 # Read with O_NOFOLLOW and written by renaming a new file over it
 # (prepare.record): a symlink there is never followed, only replaced, and
@@ -56,6 +82,7 @@ ENTRY_NAMES = {
     "warm.json": "warm-path record",
     "flake-registry.json": "empty flake registry",
     "nix-version.json": "cached Nix version",
+    "nix-tmp": "record of Nix's build directory",
 }
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -100,15 +127,16 @@ def _not_owned(path: str, uid: int, what: str) -> Fail:
     )
 
 
-def open_dir(path: str, what: str, *, owned: bool = True) -> int:
-    """An fd on the directory at `path`, refusing a symlink, anything that
-    is not a directory, and (`owned`) a directory this user does not own."""
+def open_dir(path: str, what: str, *, owned: bool = True, dir_fd: int | None = None) -> int:
+    """An fd on the directory at `path` (relative to `dir_fd` if given),
+    refusing a symlink, anything that is not a directory, and (`owned`) a
+    directory this user does not own."""
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENOTDIR):
             try:
-                found = os.lstat(path).st_mode
+                found = os.lstat(path, dir_fd=dir_fd).st_mode
             except OSError:
                 found = stat.S_IFLNK
             raise _wrong_type(path, found, True, what) from None
@@ -121,8 +149,8 @@ def open_dir(path: str, what: str, *, owned: bool = True) -> int:
 
 
 @contextmanager
-def opened_dir(path: str, what: str, *, owned: bool = True) -> Iterator[int]:
-    fd = open_dir(path, what, owned=owned)
+def opened_dir(path: str, what: str, *, owned: bool = True, dir_fd: int | None = None) -> Iterator[int]:
+    fd = open_dir(path, what, owned=owned, dir_fd=dir_fd)
     try:
         yield fd
     finally:
@@ -138,6 +166,7 @@ def vet(state: str, origin: str, var: str) -> None:
     from prepare import dirs
 
     what = f"state directory {state}"
+    _refuse_system(state, origin, var)
     try:
         os.makedirs(os.path.dirname(state), exist_ok=True)
         with contextlib.suppress(FileExistsError):
@@ -172,11 +201,54 @@ def vet(state: str, origin: str, var: str) -> None:
                 reason="state.untrusted",
             )
         _vet_entries(state, fd)
+    except OSError as err:
+        raise dirs.unusable(state, what, origin, err, var=var) from None
     finally:
         os.close(fd)
 
 
+def _refuse_system(state: str, origin: str, var: str) -> None:
+    """`/` and the pseudo file systems are never a state directory."""
+    from prepare import mounts
+
+    path = os.path.normpath(os.path.abspath(state))
+    why = None
+    if path == "/":
+        why = "is the root directory"
+    elif any(path == tree or path.startswith(tree + "/") for tree in _PSEUDO_TREES):
+        why = f"is under /{path.split('/')[1]}, the kernel's view of itself"
+    else:
+        try:
+            mount = mounts.containing(path)
+        except OSError:
+            mount = None
+        if mount is not None and mount.fstype in PSEUDO_FS:
+            why = f"is on a {mount.fstype} file system (mounted at {mount.mount_point}), the kernel's view of itself"
+    if why is not None:
+        raise permanent(
+            f"the state directory {state} (from {origin}) {why}: no place for fdl-prepare's GC roots, lock and "
+            f"records. Set {var} to a directory of its own (the default for root is /var/lib/fdl-prepare)",
+            reason="state.untrusted",
+        )
+
+
 def _vet_entries(state: str, fd: int) -> None:
+    names = os.listdir(fd)
+    strays = [n for n in names if n not in ENTRIES and n not in OTHER_ENTRIES and not _TMP_NAME.fullmatch(n)]
+    if strays:
+        shown = ", ".join(sorted(strays)[:8]) + (f" and {len(strays) - 8} more" if len(strays) > 8 else "")
+        raise permanent(
+            f"the state directory {state} holds entries fdl-prepare did not make ({shown}): it is not fdl-prepare's "
+            f"directory, and root must not write, replace or remove in someone else's. Point state_dir "
+            f"(--state-dir) at a directory of its own (a new or empty one; root's default is "
+            f"/var/lib/fdl-prepare), or move those entries out",
+            reason="state.untrusted",
+        )
+    for name in names:
+        if _TMP_NAME.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
+                    os.unlink(name, dir_fd=fd)
     for name, want_dir in ENTRIES.items():
         path = os.path.join(state, name)
         try:
@@ -193,6 +265,23 @@ def _vet_entries(state: str, fd: int) -> None:
             raise _wrong_type(path, st.st_mode, want_dir, f"state directory's {ENTRY_NAMES[name]}")
         if st.st_uid != os.geteuid():
             raise _not_owned(path, st.st_uid, f"state directory's {ENTRY_NAMES[name]}")
+        if name == "recipe":
+            recipe_strays(path, fd)
+
+
+def recipe_strays(path: str, state_fd: int) -> None:
+    """Refuse (permanent) a recipe directory that holds anything but the
+    recipe: it is not one fdl-prepare made, and nothing in it is removed."""
+    with opened_dir("recipe", "state directory's recipe directory", dir_fd=state_fd) as fd:
+        strays = sorted(n for n in os.listdir(fd) if n != RECIPE_FILE)
+    if strays:
+        shown = ", ".join(strays[:8]) + (f" and {len(strays) - 8} more" if len(strays) > 8 else "")
+        raise permanent(
+            f"{path}, the state directory's recipe directory, holds what fdl-prepare never writes there ({shown}): "
+            "it is not fdl-prepare's, and nothing in it is removed. Look at it, then move it away; or point "
+            "state_dir (--state-dir) at a directory of fdl-prepare's own",
+            reason="state.untrusted",
+        )
 
 
 def write_at(directory: int, name: str, data: bytes, *, tmp_dir: int | None = None, mode: int = 0o644) -> None:
@@ -223,14 +312,3 @@ def write_file(path: str, data: bytes, what: str) -> None:
     following a symlink (whose owner `vet` judges, where it is ours)."""
     with opened_dir(os.path.dirname(path) or ".", what, owned=False) as fd:
         write_at(fd, os.path.basename(path), data)
-
-
-def remove_at(directory: int, name: str, path: str) -> None:
-    """Remove the entry `name` (at `path`) of the open directory: a
-    directory with its contents, never through a symlink (shutil.rmtree
-    refuses a link, and walks by fd on Linux), anything else unlinked."""
-    st = os.lstat(name, dir_fd=directory)
-    if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(path)
-    else:
-        os.unlink(name, dir_fd=directory)

@@ -123,6 +123,8 @@ def driver_libraries() -> Iterator[Compiled]:
     if platform.machine() not in _EXIT:
         pytest.skip(f"the libc-free smoke binary knows x86_64 and aarch64, not {platform.machine()}")
     build = Path(tempfile.mkdtemp(prefix="fake-driver-"))
+    # The smoke run loads them as an unprivileged user (prepare/confine.py).
+    build.chmod(0o755)
     try:
         (build / "cuda.c").write_text(CUDA_C)
         (build / "ptxjit.c").write_text(PTXJIT_C)

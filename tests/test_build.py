@@ -3,10 +3,12 @@ sources in temp git repositories, every fault triggered for real."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -294,6 +296,52 @@ def test_a_builder_that_exits_3_is_transient_and_shows_its_log(nix_env, test_fla
     assert done and done[-1]["outcome"] == "failed"
 
 
+def test_a_flake_error_holding_terminal_escapes_is_permanent_and_quoted_escaped(nix_env, make_flake, state_dir):
+    # Text from Nix reaches the operator's terminal only as text: an OSC
+    # sequence (retitles a terminal window), a bell, a right-to-left override.
+    flake = make_flake(
+        flake_nix='{ outputs = { self }: { legacyPackages = throw "bad\x1b]0;owned\x07 flake\u202eekalf"; }; }\n'
+    )
+    fail = expect_fail(spec(flake, state_dir))
+    assert fail.permanent and fail.reason == "nix.evaluation"
+    assert all(c not in fail.message for c in ("\x1b", "\x07", "\u202e"))
+    assert "bad\\x1b]0;owned\\x07 flake\\u202eekalf" in fail.message
+
+
+@pytest.fixture
+def small_tmpdir(monkeypatch):  # type: ignore[no-untyped-def]
+    """A 4 MiB tmpfs as TMPDIR, which Nix's build users can enter."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = Path(tempfile.mkdtemp(prefix="fdl-small-tmp-", dir="/tmp"))
+    point.chmod(0o755)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(point)], check=False)
+    if made.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    monkeypatch.setenv("TMPDIR", str(point))
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+        point.rmdir()
+
+
+def test_a_full_tmpdir_during_the_build_is_permanent_naming_the_disk_not_the_training_source(
+    nix_env, test_flake, state_dir, git_source, small_tmpdir
+):
+    src = git_source(trainer(build="head -c 8000000 /dev/zero > weights.bin && printf '#!/bin/sh\\n' > train"))
+    try:
+        run(spec(test_flake, state_dir, src.url))
+    except Fail as failed:
+        fail = failed
+    else:
+        pytest.skip("this Nix builds outside TMPDIR (2.30 and later: its own build-dir under /nix/var/nix)")
+    assert fail.permanent and fail.reason == "nix.no-space", fail.message
+    assert f"the disk Nix builds on is full (the build directory, under TMPDIR={small_tmpdir})" in fail.message
+    assert f"df -h {small_tmpdir}" in fail.message and "No space left on device" in fail.message
+    assert "fix the training source" not in fail.message
+
+
 def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, git_source):
     from dataclasses import replace
 
@@ -350,6 +398,22 @@ def test_a_build_without_a_source_builds_libtorch_only(nix_env, test_flake, stat
     assert got.bin is None and got.args is None and got.run_id is None
     assert got.libtorch.variant == "cpu"
     assert os.path.realpath(os.path.join(state_dir, "gcroots", "run")) == got.libtorch.path
+
+
+def test_prepares_of_two_sources_on_one_state_directory_never_prune_each_others_roots(
+    nix_env, test_flake, state_dir, git_source
+):
+    # Two join loops on one box, each with its own training source: the
+    # second must not take the roots of the binary the first reported.
+    first, _ = run(spec(test_flake, state_dir, git_source(trainer()).url))
+    other = git_source(trainer(build="printf '#!/bin/sh\\necho other\\n' > train && chmod +x train"))
+    second, _ = run(spec(test_flake, state_dir, other.url))
+    assert first.bin is not None and second.bin is not None and first.bin != second.bin
+    roots = os.path.join(state_dir, "gcroots")
+    held = {os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
+    for got in (first, second):
+        assert got.bin is not None
+        assert {os.path.dirname(os.path.dirname(got.bin.path)), got.bin.cwd} <= held
 
 
 def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, state_dir, git_source):
@@ -780,3 +844,41 @@ def test_a_manifest_cwd_that_is_a_symlink_out_of_the_tree_stops_the_box(nix_env,
     fail = expect_fail(spec(test_flake, state_dir, f"path:{tree}"))
     assert fail.permanent
     assert "leads out of the training source through a symlink (to /etc)" in fail.message
+
+
+BUILD_LOG_RSS = """
+import json, resource, sys
+from prepare import build as build_mod
+from prepare.fail import Fail
+from prepare.spec import PrepareSpec, SourceSpec
+spec = PrepareSpec(source=SourceSpec(from_=sys.argv[1]), libtorch="cpu", cpu_only=True, flake=sys.argv[2],
+                   state_dir=sys.argv[3])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    build_mod.build(spec, None, [])
+    message = ""
+except Fail as fail:
+    message = fail.message
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew_kib": after - before, "message": message}))
+"""
+
+
+def test_a_builder_printing_megabytes_of_log_is_transient_and_the_preparers_memory_stays_flat(
+    nix_env, test_flake, state_dir, git_source
+):
+    # An 8 MB line without a newline, then 200,000 short ones, then the failure.
+    build = (
+        "head -c 8000000 /dev/zero | tr '\\\\0' x; echo; i=0; while [ $i -lt 200000 ]; do echo \"line $i\"; "
+        "i=$((i+1)); done; echo 'the real reason' >&2; exit 3"
+    )
+    src = git_source(trainer(build=build))
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_LOG_RSS, src.url, test_flake, state_dir], cwd=str(REPO), capture_output=True,
+        text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout)
+    print(f"resident set grew {got['grew_kib'] / 1024:.1f} MiB; message {len(got['message'])} characters")
+    assert got["grew_kib"] < 64 * 1024
+    assert "the real reason" in got["message"] and len(got["message"]) < 16384

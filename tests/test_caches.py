@@ -192,3 +192,25 @@ def test_a_store_nix_names_by_its_scheme_alone_is_named_by_the_configured_one():
     lines = [record(action="start", id=4, type=108, fields=["/nix/store/a-other", "ssh-ng://"], text="")]
     caches.note(log_of(*lines), (CACHE, "ssh-ng://cache?remote-store=/x"), notes)
     assert any(n.startswith("binary cache ssh-ng://cache: substituted 1 path") for n in notes), notes
+
+
+@pytest.mark.parametrize(
+    ("url", "setting"),
+    [
+        ("http://127.0.0.1:8080?trusted=1", "trusted=1"),
+        ("https://cache.example.org?priority=30&trusted=true", "trusted=true"),
+        ("/srv/store?require-sigs=false", "require-sigs=false"),
+        ("ssh-ng://builder?remote-store=local%3Frequire-sigs%3Dfalse", "require-sigs=false"),
+    ],
+)
+def test_a_store_url_that_turns_signature_checks_off_is_refused_permanent_naming_the_setting(tmp_path, url, setting):
+    # Nix would take a path from such a store unsigned: a box would run as
+    # root whatever the store (or whoever reaches it) serves.
+    path = tmp_path / "prepare.toml"
+    path.write_text(f'[join.nix]\nsubstituters = ["{url}"]\n')
+    with pytest.raises(Fail) as caught:
+        config.load(path)
+    fail = caught.value
+    assert fail.permanent and fail.reason == "config.invalid"
+    assert "join.nix.substituters" in fail.message and setting in fail.message
+    assert "without a signature from a trusted key" in fail.message

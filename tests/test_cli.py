@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from console import fdl_prepare
+from console import console_script, fdl_prepare
 
 
 @pytest.fixture
@@ -259,3 +259,59 @@ def test_a_hundred_thousand_devices_in_the_config_take_well_under_seconds(box: d
     done = fdl(box, "--json", timeout=60)
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - start < 10
+
+
+# -- output that cannot be written -------------------------------------------------------
+
+
+def _run_to(box: dict[str, str], stdout: object, stderr: object, *args: str) -> int:
+    return subprocess.run(
+        [console_script(), *args], env=box, stdout=stdout, stderr=stderr, timeout=60, check=False
+    ).returncode
+
+
+def test_a_result_json_to_a_full_disk_is_permanent_not_a_bug(box: dict[str, str]) -> None:
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [console_script(), "--cpu-only", "--json"], env=box, stdout=full, stderr=subprocess.PIPE, text=True,
+            timeout=60, check=False,
+        )  # fmt: skip
+    assert done.returncode == 78, done.stderr
+    assert "could not be written to stdout (No space left on device (ENOSPC))" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_reader_gone_from_stdout_is_transient_not_a_bug(box: dict[str, str]) -> None:
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [console_script(), "--cpu-only", "--json"], env=box, stdout=write, stderr=subprocess.PIPE, text=True,
+            timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert done.returncode == 75, done.stderr
+    assert "(Broken pipe (EPIPE))" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_full_stderr_leaves_the_outcome_its_own_code(box: dict[str, str], tmp_path: Path) -> None:
+    with open("/dev/full", "w") as full:
+        assert _run_to(box, subprocess.DEVNULL, full, "--cpu-only") == 0
+        # A permanent failure still says so, whatever became of its message.
+        assert _run_to(box, subprocess.DEVNULL, full, "--cpu-only", "--data-path", str(tmp_path / "no")) == 78
+        with open(os.devnull, "w") as null:
+            assert _run_to(box, null, full, "--cpu-only", "--json") == 0
+
+
+def test_a_state_directory_in_proc_is_permanent_not_a_bug(box: dict[str, str]) -> None:
+    done = fdl(box, "--cpu-only", "--libtorch", "cpu", "--flake", "path:/srv/fdl", "--state-dir", "/proc", "--json")
+    assert done.returncode == 78, done.stderr
+    fail = json.loads(done.stdout)
+    assert fail["reason"] == "state.untrusted" and "the state directory /proc (from --state-dir)" in fail["message"]
+
+
+def test_a_smoke_timeout_below_its_floor_is_permanent_naming_the_range(box: dict[str, str]) -> None:
+    done = fdl(box, "--cpu-only", "--smoke-timeout", "0.001")
+    assert done.returncode == 78, done.stderr
+    assert "--smoke-timeout" in done.stderr and "expected 1 to 86400 seconds (a second to a day)" in done.stderr

@@ -368,6 +368,7 @@ WRONG_TYPES = [
     ("join", "flake", '{ url = "x" }', ["expected a string, got a table"]),
     ("join", "driver_dir", "false", ["expected a string"]),
     ("join", "smoke_timeout", "0", ["greater than 0"]),
+    ("join", "smoke_user", "65534", ["expected a string", 'smoke_user = "65534"']),
     ("join.source", "smoke", '"--smoke"', ['expected an array of strings such as ["--smoke"]', 'smoke = ["--smoke"]']),
     ("join", "state_dir", "1979-05-27", ["expected a string, got a date/time"]),
     ("join", "list_timeout", '"30"', ["expected a number", "list_timeout = 30"]),
@@ -798,3 +799,24 @@ def test_an_ssh_target_or_user_that_starts_with_a_dash_is_permanent(key, value):
     table, name = key.split(".")
     fail = resolve_fail({table: {name: value}}, {})
     assert fail.kind == "permanent" and f"join.{key}" in fail.message and "starts with '-'" in fail.message
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "value", "words"),
+    [
+        ("join.source", "from", '"git+https://h/r?ref=' + "a" * 140_000 + '"', "past the 4 KiB a URL may be"),
+        ("join", "flake", '"path:/' + "b" * 5000 + '"', "past the 4 KiB a URL may be"),
+        ("join.nix", "substituters", '["https://c/' + "c" * 5000 + '"]', "past the 4 KiB a URL may be"),
+        ("join.source", "smoke", '["' + "d" * 200_000 + '"]', "item 0 is 200000 bytes long, past the 16 KiB"),
+        ("join.source", "bin", '"' + "e" * 20_000 + '"', "past the 16 KiB a value may be"),
+    ],
+    ids=["source-from", "flake", "substituter", "smoke-argument", "bin"],
+)
+def test_an_over_long_value_is_permanent_naming_the_key_and_the_limit(write, table, key, value, words):
+    path = write(f"[{table}]\n{key} = {value}\n")
+    with pytest.raises(Fail) as caught:
+        config.load(path)
+    fail = caught.value
+    assert fail.permanent and fail.reason == "config.invalid"
+    assert f"{table}.{key}" in fail.message and words in fail.message
+    assert len(fail.message) < 2000

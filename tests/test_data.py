@@ -588,6 +588,40 @@ def test_a_refused_key_fails_fast_under_batchmode_transient_with_sshfs_stderr_qu
     assert sshfs_mounts.count_at(point) == 0
 
 
+def _known_hosts(tmp_path: Path, sshd, how: str) -> Path:  # type: ignore[no-untyped-def]
+    known = tmp_path / f"known_hosts-{how}"
+    if how == "unknown":
+        known.write_text("")
+        return known
+    # Another key under the host's name: what a reinstalled host, or a
+    # machine in between, looks like.
+    other = tmp_path / "other_host_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    key = (tmp_path / "other_host_key.pub").read_text().split()[:2]
+    known.write_text(f"[{sshd.host}]:{sshd.port} {' '.join(key)}\n")
+    return known
+
+
+@pytest.mark.parametrize("how", ["unknown", "changed"])
+def test_a_host_key_ssh_does_not_know_or_that_changed_is_permanent_naming_ssh_keyscan_and_known_hosts(
+    sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path, how: str
+) -> None:
+    point = sshfs_mounts.point()
+    known = _known_hosts(tmp_path, sshd, how)
+    options = (f"UserKnownHostsFile={known}", "GlobalKnownHostsFile=/dev/null", "StrictHostKeyChecking=yes")
+    spec = PrepareSpec(
+        data=DataSpec(data_path=str(point), data_source=sshd.source(remote_tree)),
+        ssh=SshSpec(identity_file=str(sshd.user_key), options=(*options, "IdentitiesOnly=yes")),
+        cpu_only=True,
+    )
+    fail = _fail(spec)
+    assert fail.permanent and fail.reason == "data.host-key"
+    said = "REMOTE HOST IDENTIFICATION HAS CHANGED" if how == "changed" else "Host key verification failed"
+    assert said in fail.message
+    assert f"ssh-keyscan -p {sshd.port} {sshd.host}" in fail.message and "known_hosts" in fail.message
+    assert sshfs_mounts.count_at(point) == 0
+
+
 # What ssh (or sshfs, for its own option parser) says about an option it
 # cannot use, as the operator wrote it: the box's configuration, which no
 # retry changes.

@@ -64,13 +64,35 @@ def test_a_link_whose_library_is_gone_is_removed_and_one_fdl_prepare_did_not_mak
     where.mkdir()
     (where / "README").write_text("someone's own file\n")
     driver_host.ensure(where)
-    # What an older driver left: a library this one does not ship.
+    # Someone's own link, with a driver library's name: not fdl-prepare's.
     (where / "libnvidia-tls.so.535.104.05").symlink_to("/usr/lib/x86_64-linux-gnu/libnvidia-tls.so.535.104.05")
     driver_host.remove("ptxjit")
     got = driver_host.ensure(where)
-    assert set(got["links"]) == {"libcuda.so.1", "libnvidia-ml.so.1"}
-    assert "2 stale removed (libnvidia-ptxjitcompiler.so.1, libnvidia-tls.so.535.104.05)" in got["notes"][0]
+    assert set(got["links"]) == {"libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-tls.so.535.104.05"}
+    assert "1 stale removed (libnvidia-ptxjitcompiler.so.1)" in got["notes"][0]
     assert (where / "README").read_text() == "someone's own file\n"
+    assert (where / "libnvidia-tls.so.535.104.05").is_symlink()
+
+
+def test_only_links_fdl_prepare_recorded_and_left_as_it_made_them_are_ever_replaced_or_removed(driver_host, tmp_path):
+    driver_host.install()
+    where = tmp_path / "driver"
+    driver_host.ensure(where)
+    recorded = json.loads((where / driver_dir.MANIFEST).read_text())
+    assert recorded == links_to(driver_host)
+    # Someone repoints one of them, and puts a link of their own under a
+    # name the driver uses: fdl-prepare takes neither back.
+    (where / "libcuda.so.1").unlink()
+    (where / "libcuda.so.1").symlink_to("/opt/vendor/libcuda.so.1")
+    (where / "libnvidia-ml.so.1").unlink()
+    (where / "libnvidia-ml.so.1").symlink_to("/opt/vendor/libnvidia-ml.so.1")
+    driver_host.remove("cuda")
+    driver_host.install(libs=("cuda",))
+    got = driver_host.ensure(where)
+    assert os.readlink(where / "libcuda.so.1") == "/opt/vendor/libcuda.so.1"
+    assert os.readlink(where / "libnvidia-ml.so.1") == "/opt/vendor/libnvidia-ml.so.1"
+    notes = " ".join(got["notes"])
+    assert f"{where / 'libcuda.so.1'} is not a link fdl-prepare made; left alone" in notes
 
 
 def test_a_file_in_the_way_of_a_link_is_left_alone_with_a_note(driver_host, tmp_path):
@@ -80,7 +102,84 @@ def test_a_file_in_the_way_of_a_link_is_left_alone_with_a_note(driver_host, tmp_
     (where / "libcuda.so.1").write_bytes(b"a copy someone put here")
     got = driver_host.ensure(where)
     assert (where / "libcuda.so.1").read_bytes() == b"a copy someone put here"
-    assert f"driver directory: {where / 'libcuda.so.1'} is not a link; left alone" in " ".join(got["notes"])
+    assert f"driver directory: {where / 'libcuda.so.1'} is not a link fdl-prepare made; left alone" in " ".join(
+        got["notes"]
+    )
+
+
+def _system_library_dir(root: Path) -> dict[str, str]:
+    """A shared library directory as a distribution lays one out: soname
+    links to versioned files, and a file that is no library."""
+    lib = root / "system-lib"
+    lib.mkdir()
+    for name in ("libssl.so.3", "libz.so.1"):
+        (lib / f"{name}.0.0").write_bytes(b"\x7fELF")
+        (lib / name).symlink_to(f"{name}.0.0")
+    (lib / "libc.so").write_text("/* GNU ld script */\n")
+    return {p.name: os.readlink(p) if p.is_symlink() else p.read_text(errors="replace") for p in lib.iterdir()}
+
+
+def _layout(lib: Path) -> dict[str, str]:
+    return {p.name: os.readlink(p) if p.is_symlink() else p.read_text(errors="replace") for p in lib.iterdir()}
+
+
+def test_a_driver_directory_that_is_a_symlink_to_a_shared_library_directory_is_permanent_and_touches_nothing(
+    driver_host, tmp_path
+):
+    driver_host.install()
+    before = _system_library_dir(tmp_path)
+    (tmp_path / "opengl-driver").mkdir()
+    (tmp_path / "opengl-driver" / "lib").symlink_to(tmp_path / "system-lib")
+    fail = driver_host.ensure(tmp_path / "opengl-driver" / "lib")["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.driver-dir-untrusted"
+    assert "is a symlink" in fail["message"] and "realpath" in fail["message"]
+    assert _layout(tmp_path / "system-lib") == before
+
+
+def test_a_driver_directory_reached_through_a_symlink_is_permanent(driver_host, tmp_path):
+    driver_host.install()
+    (tmp_path / "real").mkdir()
+    (tmp_path / "run").symlink_to(tmp_path / "real")
+    fail = driver_host.ensure(tmp_path / "run" / "opengl-driver" / "lib")["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.driver-dir-untrusted"
+    assert f"leads through a symlink ({tmp_path / 'run'} -> " in fail["message"]
+    assert not (tmp_path / "real" / "opengl-driver").exists()
+
+
+def test_the_hosts_own_library_directory_as_the_driver_directory_is_permanent_and_touches_nothing(driver_host):
+    driver_host.install()
+    before = _layout(driver_host.lib_dir)
+    fail = driver_host.ensure(driver_host.lib_dir)["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.driver-dir-untrusted"
+    assert "is where the host's own libraries are" in fail["message"]
+    assert _layout(driver_host.lib_dir) == before
+
+
+@pytest.mark.parametrize("how", ["writable by others", "owned by another user"])
+def test_a_driver_directory_others_could_change_is_permanent_naming_the_fix(driver_host, tmp_path, how):
+    driver_host.install()
+    where = tmp_path / "driver"
+    where.mkdir()
+    if how == "writable by others":
+        where.chmod(0o777)
+    else:
+        os.chown(where, NOBODY, NOBODY)
+    fail = driver_host.ensure(where)["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.driver-dir-untrusted"
+    fix = "sudo chmod go-w" if how == "writable by others" else "sudo chown root:"
+    assert fix in fail["message"] and "driver_dir" in fail["message"]
+    assert not list(where.iterdir())
+
+
+def test_a_plain_file_at_the_driver_directory_is_permanent_and_does_not_say_run_as_root(driver_host, tmp_path):
+    driver_host.install()
+    where = tmp_path / "driver"
+    where.write_text("not a directory\n")
+    fail = driver_host.ensure(where)["fail"]
+    assert fail["kind"] == "permanent" and fail["reason"] == "gpu.driver-dir-untrusted"
+    assert "which is a file" in fail["message"] and f"sudo rm {where}" in fail["message"]
+    assert "as root" not in fail["message"].split("Fix:")[1]
+    assert where.read_text() == "not a directory\n"
 
 
 def test_driver_libraries_of_another_version_than_the_kernel_module_are_permanent_naming_both(driver_host, tmp_path):
@@ -189,6 +288,9 @@ def test_nvml_is_found_in_the_driver_directory_when_the_loader_finds_none(fake_n
     assert survey() == "gpu.no-driver"
     (where / "libnvidia-ml.so.1").symlink_to(fake_nvml.library)
     assert survey() == [0, 1]
+    # Loaded into a root process: never from where others could swap it.
+    where.chmod(0o777)
+    assert survey() == "gpu.driver-dir-untrusted"
 
 
 def test_a_library_version_is_read_through_its_links(tmp_path):

@@ -203,6 +203,7 @@ FLAG_SAMPLES = {
     "absolute path": (["/var/lib/x"], "/var/lib/x"),
     "ssh host": (["ctrl.example"], "ctrl.example"),
     "ssh user": (["worker"], "worker"),
+    "user": (["fdl-smoke"], "fdl-smoke"),
     "boolean": ([], True),
     "port": (["2222"], 2222),
     "seconds": (["2.5"], 2.5),

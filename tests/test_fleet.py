@@ -98,7 +98,7 @@ def test_a_box_substitutes_everything_a_publish_pushed_and_builds_nothing(
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (cache.url,), (key.public,)))
 
-    assert "prepared" in result, result
+    assert "prepared" in result, str(result.get("fail"))
     assert built(result) == []
     assert sorted(substituted(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
     prepared = result["prepared"]
@@ -129,7 +129,7 @@ def test_a_cache_signed_with_a_key_the_box_does_not_trust_is_refused_and_the_box
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (cache.url,), (stranger.public,)))
 
-    assert "prepared" in result, result
+    assert "prepared" in result, str(result.get("fail"))
     assert substituted(result) == []
     assert sorted(built(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
     said = "\n".join(result["notes"])
@@ -152,7 +152,7 @@ def test_a_stopped_cache_server_falls_back_to_building_here_with_a_note(
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (url,), (key.public,)))
 
-    assert "prepared" in result, result
+    assert "prepared" in result, str(result.get("fail"))
     assert substituted(result) == [] and "fdl-test-training-cpu" in built(result)
     said = "\n".join(result["notes"])
     assert f"binary cache {url} could not be reached" in said and "built here instead" in said
@@ -181,7 +181,7 @@ def test_an_ssh_ng_store_is_a_cache_for_publish_and_box_alike(
 
     result = b.prepare(box(src.url, test_flake, b.root / "state", (to,), (key.public,)))
 
-    assert "prepared" in result, result
+    assert "prepared" in result, str(result.get("fail"))
     assert built(result) == []
     assert sorted(substituted(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
     assert result["prepared"]["bin"]["path"] == done.outputs["cpu"].bin
@@ -353,6 +353,78 @@ def test_a_publish_that_cannot_work_is_refused_before_anything_is_built(
     for word in words:
         assert word in caught.value.message, caught.value.message
     assert [e for e in events if e["type"] == "build-start"] == []
+
+
+def _broken_flake(tmp_path: Path) -> str:
+    flake = tmp_path / "broken-flake"
+    flake.mkdir()
+    (flake / "flake.nix").write_text('{ outputs = { self }: { legacyPackages = throw "broken on purpose"; }; }\n')
+    return f"path:{flake}"
+
+
+def _untrusted_state(tmp_path: Path) -> str:
+    state = tmp_path / "someones-dir"
+    state.mkdir()
+    (state / "their-file").write_text("x")
+    return str(state)
+
+
+@pytest.mark.parametrize(
+    "case", ["a variant typo", "a flake that does not evaluate", "a state directory not its own", "a cwd not there"]
+)
+def test_a_publish_that_cannot_work_is_permanent_and_leaves_the_live_manifest_and_the_fleets_run_alone(
+    case, test_flake, binary_cache, signing_key, tmp_path
+):
+    tree = _directory_source(tmp_path)
+    live = (tree / ".fdl-run.toml").read_text()
+    spec = publish_spec(tree, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path)
+    change = {
+        "a variant typo": {"variants": ("cpu", "cu999")},
+        "a flake that does not evaluate": {"flake": _broken_flake(tmp_path)},
+        "a state directory not its own": {"state_dir": _untrusted_state(tmp_path)},
+        "a cwd not there": {"cwd": "not-there"},
+    }[case]
+    notes: list[str] = []
+    with pytest.raises(Fail) as caught:
+        publish(replace(spec, **change), notes)  # type: ignore[arg-type]
+    assert caught.value.permanent, caught.value.message
+    assert (tree / ".fdl-run.toml").read_text() == live
+    assert not any("removed the previous manifest" in n for n in notes)
+
+
+def test_a_signing_key_others_can_read_is_permanent_and_treated_as_leaked(
+    test_flake, binary_cache, signing_key, tmp_path
+):
+    tree = _directory_source(tmp_path)
+    key = signing_key("k-1").secret
+    key.chmod(0o644)
+    events: list[dict] = []
+    with pytest.raises(Fail) as caught:
+        publish(publish_spec(tree, test_flake, binary_cache().file_url, key, tmp_path), [], events.append)
+    fail = caught.value
+    assert fail.permanent and fail.reason == "publish.invalid"
+    assert "can be read by other users (mode 0644)" in fail.message and "Treat it as leaked" in fail.message
+    assert (tree / ".fdl-run.toml").exists() and not events
+
+
+def test_publish_encodes_the_path_it_makes_a_url_of_and_quotes_the_commands_it_prints(
+    test_flake, binary_cache, signing_key, tmp_path
+):
+    import shlex
+
+    # A checkout whose path a URL reads as a fragment and a shell as two commands.
+    odd = tmp_path / "train;id;x#1"
+    odd.mkdir()
+    subprocess.run(["git", "init", "-q", "-b", "main", str(odd)], check=True)
+    (odd / "README").write_text(f"a training source {nonce()}\n")
+    subprocess.run(["git", "-C", str(odd), "add", "README"], check=True)
+    subprocess.run(["git", "-C", str(odd), "commit", "-q", "-m", "initial"], check=True)
+    done = publish(publish_spec(odd, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), [])
+    assert (odd / ".fdl-run.toml").exists() and done.next_step is not None
+    commands = done.next_step.rsplit(": ", 1)[1]
+    words = shlex.split(commands)
+    assert words[:4] == ["git", "-C", str(odd), "add"] and words.count("&&") == 2
+    assert words[words.index("&&") + 3] == str(odd)
 
 
 # -- a daemon that does not trust the box's user ------------------------------------------------------

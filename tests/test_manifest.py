@@ -235,3 +235,48 @@ def test_a_cwd_that_leads_out_of_the_tree_through_a_symlink_is_permanent(tmp_pat
         check_tree(merge(SourceSpec(from_=URL, bin="t", cwd="escape"), None, URL), str(tree), URL)
     assert caught.value.permanent and "source.cwd (--source-cwd)" in caught.value.message
     check_tree(merge(SourceSpec(from_=URL, bin="t", cwd="fine"), None, URL), str(tree), URL)
+
+
+def test_a_manifests_strings_are_noted_escaped_so_they_forge_no_line_and_drive_no_terminal():
+    text = (
+        'bin = "train"\nrun = "r1\\nfdl-prepare: prepared in 0.01s"\n'
+        'origin = "ci\\u001b[2J\\u001b]0;owned\\u0007\\u202eevil"\n"\\u001b[31mkey" = 1\n'
+    )
+    manifest = parse(text)
+    notes = notes_for(merge(SourceSpec(from_=URL), manifest, URL), manifest, 0)
+    said = "\n".join(notes)
+    assert len(said.splitlines()) == len(notes) == 2
+    assert all(c not in said for c in ("\x1b", "\x07", "\u202e", "\r"))
+    assert "run r1\\nfdl-prepare: prepared in 0.01s" in notes[0]
+    assert "from ci\\x1b[2J\\x1b]0;owned\\x07\\u202eevil" in notes[0]
+    assert "\\x1b[31mkey" in notes[1]
+
+
+def test_a_nul_inside_the_manifests_smoke_list_is_transient_naming_smoke():
+    # Before: it reached execve, which refuses it as a ValueError (exit 70).
+    with pytest.raises(Fail) as caught:
+        parse('bin = "train"\nsmoke = ["--steps", "1\\u0000; rm -rf /"]\n')
+    fail = caught.value
+    assert not fail.permanent and fail.reason == "source.manifest-invalid"
+    assert "a NUL character (\\u0000) in smoke" in fail.message
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        (
+            'bin = "train"\nsmoke = ["' + "x" * 200_000 + '"]\n',
+            "smoke item 0 that is 200000 bytes long, past the 16 KiB",
+        ),
+        ('bin = "train"\nargs = [' + ", ".join(['"' + "y" * 10_000 + '"'] * 10) + "]\n", "past the 64 KiB a list may"),
+        ('bin = "' + "z" * 20_000 + '"\n', "bin that is 20000 bytes long"),
+    ],
+    ids=["one-argument", "the-list", "a-string"],
+)
+def test_an_over_long_manifest_value_is_transient_naming_the_limit(text, words):
+    with pytest.raises(Fail) as caught:
+        parse(text)
+    fail = caught.value
+    assert not fail.permanent and fail.reason == "source.manifest-invalid"
+    assert words in fail.message and "4 KiB a URL, 16 KiB any other value, 64 KiB a list in all" in fail.message
+    assert len(fail.message) < 1000

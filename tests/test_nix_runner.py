@@ -707,3 +707,42 @@ def test_every_nix_refusal_to_parse_a_url_is_permanent_in_any_phase(text):
         log.feed(_error(text))
         got = diagnose(phase, log, returncode=1)
         assert (got.category, got.permanent) == ("bad-url", True), phase
+
+
+@pytest.mark.nix
+def test_a_git_ssh_source_whose_host_key_ssh_does_not_know_is_permanent_naming_ssh_keyscan(
+    nix_env, test_flake, tmp_path, git_source, sshd, monkeypatch
+):
+    # The training source over git+ssh, from the loopback sshd: ssh (under
+    # git, under nix) with strict checking and an empty known_hosts.
+    src = git_source(trainer())
+    bare = tmp_path / "train.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(src.path), str(bare)], check=True)
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    ssh = f"ssh -i {sshd.user_key} -o IdentitiesOnly=yes -o BatchMode=yes -o StrictHostKeyChecking=yes"
+    monkeypatch.setenv("GIT_SSH_COMMAND", f"{ssh} -o UserKnownHostsFile={known} -o GlobalKnownHostsFile=/dev/null")
+    url = f"git+ssh://{sshd.user}@{sshd.host}:{sshd.port}{bare}?ref=main"
+    spec = PrepareSpec(
+        source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")
+    )
+    with pytest.raises(Fail) as caught:
+        build(spec, None, [])
+    fail = caught.value
+    assert fail.permanent and fail.reason == "nix.host-key", fail.message
+    assert "Host key verification failed" in fail.message
+    assert "ssh-keyscan" in fail.message and "known_hosts" in fail.message
+    # With the key recorded, the same source fetches.
+    scan = subprocess.run(["ssh-keyscan", "-p", str(sshd.port), sshd.host], capture_output=True, text=True)
+    known.write_text(scan.stdout)
+    assert build(spec, None, []).bin is not None
+
+
+def test_a_nix_command_line_the_kernel_refuses_is_permanent_naming_the_limits_not_nix_missing(tmp_path):
+    require_nix()
+    runner = Nix(str(tmp_path))
+    with pytest.raises(Fail) as caught:
+        runner.eval_json("path:/" + "x" * 200_000 + "#x")
+    fail = caught.value
+    assert fail.permanent and fail.reason == "config.invalid"
+    assert "E2BIG" in fail.message and "4 KiB a URL" in fail.message and "not installed" not in fail.message

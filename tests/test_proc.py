@@ -6,16 +6,21 @@ tests/test_signals.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from nix_fixtures import procs_with
 
 from prepare import proc
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_output_status_and_stderr_lines_as_they_arrive():
@@ -45,10 +50,59 @@ def test_output_that_is_not_utf8_is_replaced_not_raised():
     assert done.stdout == "a\ufffdb"
 
 
-def test_large_output_on_both_pipes_does_not_deadlock():
-    code = "import sys; sys.stdout.write('o' * 2_000_000); sys.stderr.write(('e' * 99 + chr(10)) * 20_000)"
+def test_large_output_on_both_pipes_does_not_deadlock_and_stderr_keeps_its_last_lines():
+    code = "import sys; sys.stdout.write('o' * 2_000_000); sys.stderr.write(''.join(f'{i:099d}' + chr(10) for i in range(20_000)))"
     done = proc.run([sys.executable, "-c", code], timeout=60)
-    assert len(done.stdout) == 2_000_000 and len(done.stderr) == 2_000_000
+    assert len(done.stdout) == 2_000_000 and done.stdout_cut == 0
+    kept = done.stderr.splitlines()
+    assert len(done.stderr) <= proc.STDERR_BYTES and done.stderr_cut + len(kept) == 20_000
+    assert kept[-1] == f"{19_999:099d}" and kept[0] == f"{done.stderr_cut:099d}"
+
+
+def test_stdout_past_the_callers_cap_keeps_its_end_and_says_how_much_went():
+    done = proc.run(["sh", "-c", "head -c 100000 /dev/zero | tr '\\0' a; echo end"], max_stdout=1000)
+    assert done.stdout.endswith("aend\n") and len(done.stdout) == 1000 and done.stdout_cut == 100004 - 1000
+
+
+GIGABYTE = """
+import resource, sys
+from prepare import proc
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+lines = []
+done = proc.run(["sh", "-c", sys.argv[1]], on_stderr_line=lines.append, max_stdout=1 << 16)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(before, after, len(done.stdout), len(done.stderr), len(lines), max(map(len, lines)), done.stdout[-5:].strip())
+"""
+
+
+def test_a_program_printing_a_gigabyte_on_each_pipe_keeps_the_callers_memory_flat():
+    # stdout past its cap, and stderr one line of a gigabyte with no newline
+    # in it: what a caller sees of it is bounded, and so is what it costs.
+    shell = (
+        "head -c 1073741824 /dev/zero | tr '\\0' o; echo stop;"
+        "head -c 1073741824 /dev/zero | tr '\\0' e >&2; echo >&2; echo last >&2"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", GIGABYTE, shell], cwd=str(REPO), capture_output=True, text=True, timeout=300,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, out, err, lines, longest, end = done.stdout.split()
+    grew_mib = (int(after) - int(before)) / 1024
+    print(f"resident set grew {grew_mib:.1f} MiB")
+    assert grew_mib < 64, f"the caller's resident set grew {grew_mib:.0f} MiB"
+    assert int(out) == 1 << 16 and end == "stop"
+    assert int(err) < proc.STDERR_BYTES and int(lines) == 2 and int(longest) <= proc.LINE_BYTES + 20
+
+
+def test_a_command_line_the_kernel_refuses_is_too_long_not_missing():
+    # One argument past MAX_ARG_STRLEN (128 KiB): E2BIG from execve.
+    with pytest.raises(proc.TooLong) as refused:
+        proc.run(["true", "x" * 200_000])
+    assert refused.value.errno == errno.E2BIG and "E2BIG" in str(refused.value)
+    assert not isinstance(refused.value, proc.Missing)
+    with pytest.raises(proc.Missing):
+        proc.run(["fdl-no-such-program", "x"])
 
 
 def test_a_timeout_kills_the_whole_group_and_says_so():
@@ -98,7 +152,8 @@ def test_a_grandchild_holding_the_pipes_does_not_hold_the_caller():
         done = proc.run([sys.executable, "-c", code], timeout=30)
         took = time.monotonic() - started
         assert done.ok and done.stdout == "bye\n"
-        assert took < proc._DRAIN_S + 3, took
+        # One wait for both pipes, not one each.
+        assert took < 2 * proc._DRAIN_S - 0.5, took
     finally:
         for pid, _ in procs_with(f"sleep {marker}"):
             os.kill(pid, 9)

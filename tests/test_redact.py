@@ -63,8 +63,10 @@ def box(tmp_path: Path) -> dict[str, str]:
         (["--source", f"git+https://user:{TOKEN}@git.example/train.git?ref=main"], "source.from"),
         (["--source", f"git+https://{TOKEN}@github.com/o/train.git?ref=main"], "source.from"),
         (["--flake", f"git+https://x-access-token:{TOKEN}@github.com/o/fleet?ref=main"], "flake"),
+        (["--source", f"git+https://git.example/train.git?ref=main&access_token={TOKEN}"], "source.from"),
+        (["--flake", f"https://git.example/fleet.tar.gz?private_token={TOKEN}"], "flake"),
     ],
-    ids=["password", "token-as-user", "flake"],
+    ids=["password", "token-as-user", "flake", "token-in-the-query", "flake-token-in-the-query"],
 )
 def test_a_url_with_a_credential_is_refused_before_any_command_and_never_quoted(box, tmp_path, flags, field):
     state = tmp_path / "state"
@@ -88,6 +90,34 @@ def test_a_substituter_with_a_credential_is_refused_and_not_quoted(tmp_path):
     assert caught.value.permanent
     assert TOKEN not in caught.value.message and "netrc-file" in caught.value.message
     assert "https://***@cache.example.org" in caught.value.message
+
+
+@pytest.mark.parametrize("param", ["access_token", "token", "X-Amz-Signature", "password"])
+def test_a_substituter_with_a_token_in_its_query_is_refused_and_not_quoted(tmp_path, param):
+    path = tmp_path / "prepare.toml"
+    path.write_text(f'[join.nix]\nsubstituters = ["https://cache.example.org/fleet?{param}={TOKEN}&priority=30"]\n')
+    with pytest.raises(Fail) as caught:
+        config.load(path)
+    fail = caught.value
+    assert fail.permanent and fail.reason == "config.invalid"
+    assert TOKEN not in fail.message and f"a token in its query ({param}=)" in fail.message
+    assert f"https://cache.example.org/fleet?{param}=***&priority=30" in fail.message
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (
+            f"unable to download 'https://h/x.tar.gz?access_token={TOKEN}': HTTP error 403",
+            "unable to download 'https://h/x.tar.gz?access_token=***': HTTP error 403",
+        ),
+        (f"git+https://h/r?ref=main&private_token={TOKEN}", "git+https://h/r?ref=main&private_token=***"),
+        ("file:///srv/cache?secret-key=/etc/nix/cache.secret", "file:///srv/cache?secret-key=/etc/nix/cache.secret"),
+        ("git+https://h/r?ref=main&rev=abc", "git+https://h/r?ref=main&rev=abc"),
+    ],
+)
+def test_a_token_in_a_urls_query_is_hidden_wherever_it_is_quoted(text, shown):
+    assert redact(text) == shown
 
 
 KEY = (

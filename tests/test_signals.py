@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,3 +105,54 @@ def test_a_sigkilled_prepare_leaves_no_nix_to_rewrite_the_out_links(nix_env, tes
         for pid, _ in procs_with(f"sleep {marker}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _build_dirs(tmp: Path) -> list[str]:
+    return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("nix-build-*") if p.is_dir())
+
+
+@pytest.mark.nix
+def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt(
+    nix_env, test_flake, state_dir, git_source
+):
+    # A TMPDIR of this test's own that Nix's build users can enter.
+    tmp = Path(tempfile.mkdtemp(prefix="fdl-sigkill-tmp-", dir="/tmp"))
+    tmp.chmod(0o1777)
+    marker = f"30.{os.getpid()}{time.time_ns() % 1000}"
+    build = f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
+    src = git_source({".fdl-run.toml": manifest_text(bin="train", build=build)})
+    argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake]
+    argv += ["--source", src.url, "--state-dir", state_dir]
+    env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "TMPDIR": str(tmp)}
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(REPO))
+    try:
+        deadline = time.monotonic() + 60
+        while not procs_with(f"sleep {marker}"):
+            assert child.poll() is None, "prepare ended before its build started"
+            assert time.monotonic() < deadline, "the build never started"
+            time.sleep(0.05)
+        child.kill()
+        child.wait(timeout=10)
+        # A builder may outlive its nix by a moment (see above); this test is
+        # about what it leaves on disk, so it is stopped here.
+        for pid, _ in procs_with(f"sleep {marker}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert _wait_gone(f"sleep {marker}", 10)
+        # What the killed build left: its directory, a copy of the source.
+        left = _build_dirs(tmp)
+        if not left:
+            pytest.skip("this Nix builds outside TMPDIR (2.30 and later: its own build-dir under /nix/var/nix)")
+        src.commit({".fdl-run.toml": manifest_text(bin="train", build="printf '#!/bin/sh\\n' > train; chmod +x train")})
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert _build_dirs(tmp) == [], f"left behind: {_build_dirs(tmp)} (was {left})"
+        assert not [p for p in tmp.iterdir() if p.name.startswith("fdl-prepare-nix.")]
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for pid, _ in procs_with(f"sleep {marker}"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -9,17 +9,24 @@ linked without a RUNPATH to libtorch fails it permanently."""
 
 from __future__ import annotations
 
+import grp
+import json
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from driver_fixtures import smoke_binary
-from nix_fixtures import manifest_text
+from nix_fixtures import manifest_text, procs_with
 from nvml_fixtures import ampere_pair
+from other_user import run_as
 
 from prepare import smoke
 from prepare.fail import Fail
@@ -36,6 +43,18 @@ def script(path: Path, body: str) -> Binary:
     return Binary(path=str(path), cwd=str(path.parent))
 
 
+@pytest.fixture
+def public() -> Iterator[Path]:
+    """A directory the smoke run's unprivileged user can reach (pytest's own
+    are under a 0700 directory of root's)."""
+    path = Path(tempfile.mkdtemp(prefix="fdl-smoke-test-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def fail_of(binary: Binary, args: list[str], timeout: float = 30) -> Fail:
     with pytest.raises(Fail) as failed:
         smoke.run(binary, args, timeout, [])
@@ -45,31 +64,31 @@ def fail_of(binary: Binary, args: list[str], timeout: float = 30) -> Fail:
 # -- a program built like a Nix one --------------------------------------------------------
 
 
-def test_a_binary_that_finds_libcuda_in_the_driver_directory_passes(driver_libraries, tmp_path):
-    driver = tmp_path / "driver"
+def test_a_binary_that_finds_libcuda_in_the_driver_directory_passes(driver_libraries, public):
+    driver = public / "driver"
     driver.mkdir()
     (driver / "libcuda.so.1").symlink_to(driver_libraries.build / "libcuda.so.1")
-    train = smoke_binary(driver_libraries, driver, tmp_path / "bin" / "train")
+    train = smoke_binary(driver_libraries, driver, public / "bin" / "train")
     notes: list[str] = []
-    smoke.run(Binary(str(train), str(tmp_path)), [], 30, notes)
-    assert len(notes) == 1 and notes[0].startswith(f"smoke run `{train}` (in {tmp_path}) passed in ")
+    smoke.run(Binary(str(train), str(public)), [], 30, notes)
+    assert len(notes) == 1 and notes[0].startswith(f"smoke run `{train}` (in {public}) passed in ")
 
 
 def test_a_binary_whose_libcuda_is_not_in_the_driver_directory_fails_permanently_with_the_loaders_words(
-    driver_libraries, tmp_path
+    driver_libraries, public
 ):
-    driver = tmp_path / "driver"
+    driver = public / "driver"
     driver.mkdir()
-    train = smoke_binary(driver_libraries, driver, tmp_path / "bin" / "train")
-    fail = fail_of(Binary(str(train), str(tmp_path)), ["--smoke"])
+    train = smoke_binary(driver_libraries, driver, public / "bin" / "train")
+    fail = fail_of(Binary(str(train), str(public)), ["--smoke"])
     assert fail.permanent and fail.reason == "smoke.loader"
     message = fail.message
-    assert message.startswith(f"smoke run `{train} --smoke` (in {tmp_path}): the loader could not start it (exit 127)")
+    assert message.startswith(f"smoke run `{train} --smoke` (in {public}): the loader could not start it (exit 127)")
     assert "error while loading shared libraries: libcuda.so.1: cannot open shared object file" in message
     assert "driver_dir" in message and "/run/opengl-driver/lib" in message
 
 
-def test_the_driver_directory_kept_by_the_gate_is_where_the_binary_finds_the_hosts_driver(driver_host, tmp_path):
+def test_the_driver_directory_kept_by_the_gate_is_where_the_binary_finds_the_hosts_driver(driver_host, public):
     """The whole chain: the host's libcuda, registered with its linker cache,
     linked into the driver directory by the step, loaded from there by a
     binary that never reads the cache; gone from the host, the box stops
@@ -90,17 +109,17 @@ def test_the_driver_directory_kept_by_the_gate_is_where_the_binary_finds_the_hos
 # -- kinds ------------------------------------------------------------------------------------
 
 
-def test_a_smoke_run_past_its_timeout_is_transient_with_its_last_lines(tmp_path):
-    binary = script(tmp_path / "train", "echo 'initialising CUDA' >&2\nexec sleep 30\n")
+def test_a_smoke_run_past_its_timeout_is_transient_with_its_last_lines(public):
+    binary = script(public / "train", "echo 'initialising CUDA' >&2\nexec sleep 30\n")
     fail = fail_of(binary, ["--smoke"], timeout=0.5)
     assert not fail.permanent and fail.reason == "smoke.timeout"
     assert "did not finish within 0.5s" in fail.message and "initialising CUDA" in fail.message
     assert "smoke_timeout (--smoke-timeout)" in fail.message
 
 
-def test_a_binary_that_starts_and_fails_is_transient_with_the_last_lines_of_its_output(tmp_path):
+def test_a_binary_that_starts_and_fails_is_transient_with_the_last_lines_of_its_output(public):
     lines = "".join(f"echo 'line {i}'\n" for i in range(40))
-    binary = script(tmp_path / "train", lines + "echo 'CUDA error: no kernel image is available' >&2\nexit 1\n")
+    binary = script(public / "train", lines + "echo 'CUDA error: no kernel image is available' >&2\nexit 1\n")
     fail = fail_of(binary, ["--smoke"])
     assert not fail.permanent and fail.reason == "smoke.failed"
     assert "exited 1" in fail.message and "CUDA error: no kernel image is available" in fail.message
@@ -108,15 +127,251 @@ def test_a_binary_that_starts_and_fails_is_transient_with_the_last_lines_of_its_
     assert "publish again" in fail.message
 
 
-def test_a_binary_that_is_not_there_is_permanent(tmp_path):
-    fail = fail_of(Binary(str(tmp_path / "no-such-train"), str(tmp_path)), [])
+def test_a_binary_that_is_not_there_is_permanent(public):
+    fail = fail_of(Binary(str(public / "no-such-train"), str(public)), [])
     assert fail.permanent and fail.reason == "smoke.loader"
-    assert str(tmp_path / "no-such-train") in fail.message
+    assert str(public / "no-such-train") in fail.message
 
 
-def test_the_binary_runs_in_its_cwd_with_the_arguments_given(tmp_path):
-    binary = script(tmp_path / "train", '[ "$(pwd)" = "$1" ] && [ "$2" = "two words" ]\n')
-    smoke.run(binary, [str(tmp_path), "two words"], 30, [])
+def test_smoke_arguments_the_kernel_refuses_are_transient_not_a_missing_binary(public):
+    binary = script(public / "train", "exit 0\n")
+    fail = fail_of(binary, ["x" * 200_000])
+    assert not fail.permanent and fail.reason == "smoke.failed"
+    assert "E2BIG" in fail.message and "smoke" in fail.message and len(fail.message) < 2000
+
+
+def test_the_binary_runs_in_its_cwd_with_the_arguments_given(public):
+    binary = script(public / "train", '[ "$(pwd)" = "$1" ] && [ "$2" = "two words" ]\n')
+    smoke.run(binary, [str(public), "two words"], 30, [])
+
+
+# -- the training source's code, run as the training would ------------------------------------
+
+# The groups a GPU's device nodes belong to (AMD's /dev/kfd and /dev/dri).
+GPU_GROUPS = ("render", "video")
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+NOBODY = 65534
+
+# What a test binary prints about itself: who it is, its capabilities and
+# no_new_privs from the kernel, its environment, and whether its home is its own.
+REPORT = """#!/bin/sh
+{
+  echo "uid=$(id -u) gid=$(id -g) groups=$(id -G)"
+  grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs):' /proc/self/status
+  env | sort | sed 's/^/env /'
+  touch "$HOME/written" && echo "home writable"
+} > "$1"
+"""
+
+
+def _report(path: Path) -> dict[str, object]:
+    lines = path.read_text().splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    env = dict(line[4:].split("=", 1) for line in lines if line.startswith("env "))
+    ids = dict(part.split("=", 1) for part in lines[0].split(" ", 2))
+    return {"ids": ids, "status": status, "env": env, "home_writable": "home writable" in lines}
+
+
+def _outbox(public: Path) -> Path:
+    # Somewhere the unprivileged run may write its report.
+    out = public / "out"
+    out.mkdir()
+    out.chmod(0o1777)
+    return out / "report"
+
+
+@root_only
+def test_the_smoke_run_runs_as_nobody_with_no_capabilities_and_a_clean_environment(public, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI-not-for-the-training")
+    monkeypatch.setenv("SSH_AUTH_SOCK", "/run/user/0/ssh-agent")
+    monkeypatch.setenv("NIX_CONFIG", "access-tokens = github.com=ghp_secret")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    monkeypatch.setenv("NVIDIA_DRIVER_CAPABILITIES", "compute,utility")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    binary = script(public / "train", REPORT.removeprefix("#!/bin/sh\n"))
+    report = _outbox(public)
+    notes: list[str] = []
+    smoke.run(binary, [str(report)], 30, notes)
+    seen = _report(report)
+    # What the test binary printed, for the record (and the report).
+    print(json.dumps(seen, indent=2, sort_keys=True))
+
+    gpu_groups = sorted(g.gr_gid for g in grp.getgrall() if g.gr_name in GPU_GROUPS)
+    ids = seen["ids"]
+    assert isinstance(ids, dict)
+    assert (ids["uid"], ids["gid"]) == (str(NOBODY), str(NOBODY))
+    # Its own group and the GPUs' only: none of root's.
+    assert sorted(map(int, ids["groups"].split())) == sorted({NOBODY, *gpu_groups})
+    none = "0000000000000000"
+    assert seen["status"] == {
+        "CapInh": none, "CapPrm": none, "CapEff": none, "CapBnd": none, "CapAmb": none, "NoNewPrivs": "1",
+    }  # fmt: skip
+    env = seen["env"]
+    assert isinstance(env, dict)
+    home = env["HOME"]
+    assert set(env) - {"PWD", "SHLVL", "_", "OLDPWD"} == {
+        "PATH", "HOME", "TMPDIR", "CUDA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "LC_ALL",
+        *(k for k in ("LANG", "LANGUAGE", "TZ", "LOCALE_ARCHIVE") if k in os.environ),
+    }  # fmt: skip
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,0" and env["PATH"] == os.environ["PATH"]
+    assert env["TMPDIR"] == home and home.startswith(("/tmp/fdl-smoke-", "/var/tmp/fdl-smoke-"))
+    assert seen["home_writable"] and not os.path.exists(home), "the run's home outlived it"
+    assert notes[0].endswith(
+        "(as nobody"
+        + "".join(
+            f", {n}" if i else f" with {n}"
+            for i, n in enumerate([n for n in GPU_GROUPS if n in {g.gr_name for g in grp.getgrall()}])
+        )
+        + ", no capabilities, a clean environment, in a PID namespace of its own)"
+    ), notes
+
+
+def _devices_allowed() -> Path:
+    """A directory every user can reach on a file system that honours
+    device nodes (a tmpfs /tmp is often mounted nodev, as Debian 13's is)."""
+    for base in ("/tmp", "/var/tmp"):
+        if os.path.isdir(base) and not os.statvfs(base).f_flag & os.ST_NODEV:
+            path = Path(tempfile.mkdtemp(prefix="fdl-smoke-nodes-", dir=base))
+            path.chmod(0o755)
+            return path
+    pytest.skip("neither /tmp nor /var/tmp is on a file system that allows device nodes")
+
+
+@root_only
+def test_a_gpu_device_node_of_the_video_group_stays_usable_and_roots_own_do_not():
+    try:
+        video = grp.getgrnam("video").gr_gid
+    except KeyError:
+        pytest.skip("this box has no video group")
+    where = _devices_allowed()
+    # The binary and the parents of the nodes must be reachable by nobody.
+    if not all(os.stat(p).st_mode & 0o001 for p in [where, *where.parents]):
+        shutil.rmtree(where)
+        pytest.skip(f"{where} is not reachable by other users")
+    try:
+        # Device nodes as a GPU's are: the same character device as
+        # /dev/null, owned by root, readable by one group.
+        for name, group in (("renderD128", video), ("roots", 0)):
+            os.mknod(where / name, 0o660 | 0o020000, os.makedev(1, 3))
+            os.chown(where / name, 0, group)
+            (where / name).chmod(0o660)
+        opens = f"cat {where / 'renderD128'} || exit 3\ncat {where / 'roots'} 2>/dev/null && exit 4\nexit 0\n"
+        smoke.run(script(where / "train", opens), [], 30, [])
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _gone(marker: str, seconds: float = 5) -> bool:
+    deadline = time.monotonic() + seconds
+    while procs_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not procs_with(marker)
+
+
+LEAVES = """setsid sleep {m}1 > /dev/null 2>&1 < /dev/null &
+sleep {m}2 &
+sh -c 'sleep {m}3 & exit 0'
+"""
+
+
+@pytest.mark.parametrize("ends", ["success", "timeout"])
+def test_everything_the_smoke_run_started_is_stopped_when_it_ends_a_setsid_child_too(public, ends):
+    marker = f"9{os.getpid() % 1000:03d}{time.time_ns() % 100}"
+    body = LEAVES.format(m=marker) + ("exit 0\n" if ends == "success" else "echo 'waiting' >&2\nexec sleep 60\n")
+    binary = script(public / "train", body)
+    try:
+        started = time.monotonic()
+        if ends == "success":
+            smoke.run(binary, [], 30, [])
+        else:
+            fail = fail_of(binary, [], timeout=1.5)
+            assert fail.reason == "smoke.timeout" and "with everything it started" in fail.message
+        assert time.monotonic() - started < 10
+        assert _gone(f"sleep {marker}", 2), procs_with(f"sleep {marker}")
+    finally:
+        for pid, _ in procs_with(f"sleep {marker}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+@root_only
+def test_as_another_user_the_smoke_run_runs_as_itself_cleanly_and_still_stops_what_it_started(public):
+    marker = f"8{os.getpid() % 1000:03d}{time.time_ns() % 100}"
+    binary = script(public / "train", REPORT.removeprefix("#!/bin/sh\n") + LEAVES.format(m=marker))
+    report = _outbox(public)
+    code = (
+        "from prepare import smoke\nfrom prepare.spec import Binary\nnotes = []\n"
+        f"smoke.run(Binary({binary.path!r}, {binary.cwd!r}), [{str(report)!r}], 30, notes, user='root')\n"
+        "print(notes[0])\n"
+    )
+    try:
+        done = run_as(NOBODY, code, env={"GITHUB_TOKEN": "ghp_not_for_the_training", "LANG": "C.UTF-8"})
+        assert done.returncode == 0, done.stderr
+        print(done.stdout)
+        seen = _report(report)
+        print(json.dumps(seen, indent=2, sort_keys=True))
+        assert seen["ids"]["uid"] == str(NOBODY)  # type: ignore[index]
+        status = seen["status"]
+        assert isinstance(status, dict)
+        assert (status["CapEff"], status["CapPrm"], status["CapInh"], status["CapAmb"], status["NoNewPrivs"]) == (
+            "0000000000000000", "0000000000000000", "0000000000000000", "0000000000000000", "1",
+        )  # fmt: skip
+        assert "GITHUB_TOKEN" not in seen["env"] and "PYTHONPATH" not in seen["env"]  # type: ignore[operator]
+        assert "(fdl-prepare is not root)" in done.stdout and "under a subreaper" in done.stdout
+        assert _gone(f"sleep {marker}", 2), procs_with(f"sleep {marker}")
+    finally:
+        for pid, _ in procs_with(f"sleep {marker}"):
+            os.kill(pid, signal.SIGKILL)
+
+
+@root_only
+@pytest.mark.parametrize("user", ["fdl-no-such-user", "root"])
+def test_a_smoke_user_that_does_not_exist_or_is_root_is_permanent_naming_smoke_user(public, user):
+    binary = script(public / "train", "exit 0\n")
+    with pytest.raises(Fail) as failed:
+        smoke.run(binary, [], 30, [], user=user)
+    fail = failed.value
+    assert fail.permanent and fail.reason == "config.invalid"
+    assert f"smoke_user = {user!r}" in fail.message and "--smoke-user" in fail.message
+
+
+GIGABYTE = """
+import resource, sys
+from prepare import smoke
+from prepare.fail import Fail
+from prepare.spec import Binary
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    smoke.run(Binary(sys.argv[1], sys.argv[2]), [], 120, [])
+except Fail as fail:
+    message, reason = fail.message, fail.reason
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(before, after, len(message), reason)
+print(message[-300:])
+"""
+
+
+def test_a_smoke_binary_printing_a_gigabyte_leaves_the_preparers_memory_flat_and_its_message_bounded(public):
+    # A gigabyte on stdout, a gigabyte without a newline on stderr, then a
+    # last line that says why.
+    body = (
+        "head -c 1073741824 /dev/zero | tr '\\0' x\n"
+        "head -c 1073741824 /dev/zero | tr '\\0' y >&2\n"
+        "echo >&2; echo 'the reason it failed' >&2\nexit 1\n"
+    )
+    binary = script(public / "train", body)
+    done = subprocess.run(
+        [sys.executable, "-c", GIGABYTE, binary.path, binary.cwd],
+        cwd=str(REPO), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, _, tail = done.stdout.partition("\n")
+    before, after, length, reason = first.split()
+    grew_mib = (int(after) - int(before)) / 1024
+    print(f"resident set grew {grew_mib:.1f} MiB; message {length} characters")
+    assert reason == "smoke.failed"
+    assert grew_mib < 64, f"the preparer's resident set grew {grew_mib:.0f} MiB"
+    assert int(length) < 16384
+    assert "the reason it failed" in tail
 
 
 # -- through the pipeline ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ a full tmpfs; the build's own entry point (`build.start`) finds them."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -140,20 +141,77 @@ def test_as_root_a_state_directory_in_a_sticky_directory_is_fine_when_it_is_root
 # -- the recipe: written whole, never through a link ---------------------------------------
 
 
-def test_the_recipe_is_written_whole_and_strays_are_removed_without_following_links(tmp_path, victim):
+def test_the_recipe_is_written_whole_alone_in_its_directory(tmp_path):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    got = outputs.write_recipe(str(state_dir), {"bin": "train", "contract": 1})
+    assert got == str(state_dir / "recipe")
+    assert sorted(os.listdir(state_dir / "recipe")) == ["recipe.json"]
+    assert json.loads((state_dir / "recipe" / "recipe.json").read_text()) == {"bin": "train", "contract": 1}
+    # Nothing else left in the state directory: the temporary file was renamed.
+    assert sorted(os.listdir(state_dir)) == ["recipe"]
+
+
+def test_a_recipe_directory_holding_what_fdl_prepare_never_writes_there_is_permanent_and_nothing_in_it_goes(
+    tmp_path, victim
+):
     state_dir = tmp_path / "state"
     recipe_dir = state_dir / "recipe"
     recipe_dir.mkdir(parents=True)
     (recipe_dir / "old.json").write_text("{}")
-    (recipe_dir / "old-dir").mkdir()
+    (recipe_dir / "notes").mkdir()
+    (recipe_dir / "notes" / "draft").write_text("someone's")
     (recipe_dir / "to-victim").symlink_to(victim)
-    got = outputs.write_recipe(str(state_dir), {"bin": "train", "contract": 1})
-    assert got == str(recipe_dir)
-    assert sorted(os.listdir(recipe_dir)) == ["recipe.json"]
-    assert json.loads((recipe_dir / "recipe.json").read_text()) == {"bin": "train", "contract": 1}
-    assert intact(victim)
-    # Nothing else left in the state directory: the temporary file was renamed.
-    assert sorted(os.listdir(state_dir)) == ["recipe"]
+    for fail in (start_fail(state_dir), _write_fail(state_dir)):
+        assert fail.permanent and fail.reason == "state.untrusted"
+        assert "holds what fdl-prepare never writes there (notes, old.json, to-victim)" in fail.message
+    assert sorted(os.listdir(recipe_dir)) == ["notes", "old.json", "to-victim"]
+    assert (recipe_dir / "notes" / "draft").read_text() == "someone's" and intact(victim)
+
+
+def _write_fail(state_dir: Path) -> Fail:
+    with pytest.raises(Fail) as caught:
+        outputs.write_recipe(str(state_dir), {"bin": "train"})
+    return caught.value
+
+
+def test_a_state_directory_holding_entries_fdl_prepare_does_not_know_is_permanent_naming_them(tmp_path):
+    # state_dir pointed at someone's directory that happens to hold a recipe/.
+    theirs = tmp_path / "srv"
+    (theirs / "recipe").mkdir(parents=True)
+    (theirs / "recipe" / "recipe.json").write_text("their recipe\n")
+    (theirs / "website").mkdir()
+    (theirs / "backup.tar").write_text("x")
+    fail = start_fail(theirs)
+    assert fail.permanent and fail.reason == "state.untrusted"
+    assert "holds entries fdl-prepare did not make (backup.tar, website)" in fail.message
+    assert "--state-dir" in fail.message
+    assert (theirs / "recipe" / "recipe.json").read_text() == "their recipe\n"
+    assert sorted(os.listdir(theirs)) == ["backup.tar", "recipe", "website"]
+
+
+def test_a_temporary_file_a_killed_write_left_is_removed_and_any_other_hidden_file_refused(tmp_path):
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    left = state_dir / f".warm.json.{os.urandom(8).hex()}.tmp"
+    left.write_text("{")
+    # What an earlier version named one.
+    older = state_dir / "recipe.json.4242.tmp"
+    older.write_text("{")
+    spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake="path:/srv/fdl-prepare", state_dir=str(state_dir))
+    with contextlib.suppress(Fail):
+        build_mod.start(spec, []).__exit__(None, None, None)
+    assert not left.exists() and not older.exists()
+    (state_dir / ".bashrc").write_text("")
+    assert "(.bashrc)" in start_fail(state_dir).message
+
+
+@pytest.mark.parametrize("where", ["/", "/proc", "/proc/fdl-prepare", "/sys/fs/cgroup", "/dev/shm/fdl-prepare"])
+def test_the_root_directory_or_a_pseudo_file_system_as_the_state_directory_is_permanent(where):
+    fail = start_fail(Path(where))
+    assert fail.permanent and fail.reason == "state.untrusted"
+    assert f"the state directory {where} (from" in fail.message and "/var/lib/fdl-prepare" in fail.message
+    assert not os.path.exists("/gcroots")
 
 
 def test_the_recipe_through_a_linked_directory_deletes_nothing(tmp_path, victim):

@@ -491,3 +491,39 @@ def test_a_manifest_changed_without_a_new_commit_is_not_missed(nix, test_flake, 
     second = attempt(nix, spec)
     assert nix.evaluations() == 1 and second.bin != first.bin
     assert subprocess.run([second.bin.path], capture_output=True, text=True).stdout.strip() == "b"
+
+
+SWAPPED = (
+    'toolchain: { cpu = { cuda = null; archs = [ ]; package = toolchain.mkLibtorch { label = "cpu-swapped"; }; }; }\n'
+)
+
+
+def test_a_flake_changed_between_its_resolution_and_the_build_then_rolled_back_never_reports_the_other_flakes_outputs(
+    nix, make_flake, state_dir, git_source, tmp_path
+):
+    """The record's key comes from one resolution of the flake (`nix flake
+    metadata`); the build must build that resolution, never the flake's URL
+    resolved again: a flake changed in between, then rolled back, would
+    otherwise leave the other tree's outputs under this tree's key, and
+    every later attempt would report them."""
+    src = git_source(trainer())
+    flake = make_flake()
+    directory = Path(flake.removeprefix("path:"))
+    swap = tmp_path / "swap-once"
+    swap.write_text(SWAPPED)
+    # A nix that, right after the flake's first resolution, changes the flake.
+    shim = Path(nix.program)
+    shim.write_text(
+        "#!/bin/sh\n"
+        f'{nix.real} "$@"; rc=$?\n'
+        f'case " $* " in *" flake metadata "*) [ -e {swap} ] && mv {swap} {directory / "extra.nix"};; esac\n'
+        "exit $rc\n"
+    )
+    spec = cpu_spec(flake, state_dir, src.url)
+    first = attempt(nix, spec)
+    assert (directory / "extra.nix").exists(), "the flake was not changed between the two resolutions"
+    (directory / "extra.nix").unlink()  # rolled back: the flake the key came from
+    second = attempt(nix, spec)
+    fresh = attempt(nix, replace(spec, refresh=True))
+    assert first.libtorch is not None and "cpu-swapped" not in first.libtorch.path
+    assert second.libtorch == fresh.libtorch and second.bin == fresh.bin

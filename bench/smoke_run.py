@@ -1,0 +1,62 @@
+"""The smoke run's confinement, what it costs: `smoke.run` of a binary that
+exits at once (as nobody, no capabilities, a clean environment, in a PID
+namespace of its own, under root; as itself under a subreaper otherwise)
+against `proc.run` of the same binary as the caller, unconfined.
+
+    python bench/smoke_run.py [-n 31]
+
+The two take turns N times in this one process, so a noisy machine slows
+them alike; the medians and their ratio are printed. What the difference
+buys is in prepare/confine.py; what it costs is one interpreter started
+with -I -S (the helper that drops the privileges and waits as the
+namespace's parent), on a smoke run that itself loads libtorch and wakes a
+GPU (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from prepare import proc, smoke  # noqa: E402
+from prepare.spec import Binary  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, default=31, help="rounds (default 31)")
+    rounds = parser.parse_args().n
+    where = Path(tempfile.mkdtemp(prefix="fdl-bench-smoke-", dir="/tmp"))
+    try:
+        where.chmod(0o755)
+        binary = where / "train"
+        binary.write_text("#!/bin/sh\nexit 0\n")
+        binary.chmod(0o755)
+        confined: list[float] = []
+        plain: list[float] = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            smoke.run(Binary(str(binary), str(where)), [], 30, [])
+            confined.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            assert proc.run([str(binary)], timeout=30, cwd=str(where)).ok
+            plain.append(time.perf_counter() - started)
+        c, p = statistics.median(confined), statistics.median(plain)
+        who = "root: as nobody, in a PID namespace" if os.geteuid() == 0 else "not root: as itself, under a subreaper"
+        print(f"smoke run, confined ({who}): {c * 1000:.1f} ms (median of {rounds})")
+        print(f"the same binary through proc.run, unconfined: {p * 1000:.1f} ms")
+        print(f"ratio: {c / p:.1f}x, {1000 * (c - p):.1f} ms more per attempt")
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
