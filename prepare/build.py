@@ -63,7 +63,7 @@ from prepare import nix as nix_mod
 from prepare import record as record_mod
 from prepare import state as state_mod
 from prepare import variants as variants_mod
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail
 from prepare.nix_log import Log, store_name
 from prepare.spec import Binary, Libtorch, PrepareSpec
 
@@ -164,10 +164,10 @@ def _locked(state: str, wait_s: float, step: Callable[[str, str], None], notes: 
     with locks.held(
         path,
         wait_s,
-        cannot_open=lambda err: permanent(
+        cannot_open=lambda err: Fail(
+            "dirs.unwritable",
             f"cannot open the state lock {path}: {human.oserror(err)}; make {state} writable for this user, "
             "or set state_dir (--state-dir) to a directory it can write",
-            reason="dirs.unwritable",
         ),
         stuck=(
             f"another fdl-prepare has held {path} for over {human.duration(wait_s)} and this one stopped "
@@ -478,10 +478,10 @@ def evaluate_variants(session: Session, setting: str = "flake (--flake)") -> Any
     )
     contract = meta.get("contract") if isinstance(meta, dict) else None
     if contract != CONTRACT:
-        raise permanent(
+        raise Fail(
+            "flake.contract-mismatch",
             f"the flake {flake!r} speaks contract {contract!r} (legacyPackages.{system}.fdl.contract), this "
             f"fdl-prepare speaks {CONTRACT}: upgrade fdl-prepare or point {setting} at a matching revision",
-            reason="flake.contract-mismatch",
         )
     return meta.get("variants")
 
@@ -648,20 +648,20 @@ def _built(
     try:
         libtorch_path, training_path = outputs.identify(results, recipe.bin if recipe else None)
     except ValueError as odd:
-        raise transient(
+        raise Fail(
+            "nix.unknown",
             f"building libtorch {variant.label}: nix build printed no JSON result of a known shape ({odd}); "
             "the next attempt retries",
-            reason="nix.unknown",
         ) from None
     outputs.note_build(log, results, variant.label, libtorch_path, training_path, session.notes)
     libtorch = Libtorch(path=libtorch_path, variant=variant.label)
     if source is None or recipe is None:
         return Built(libtorch=libtorch, bin=None, args=None, run_id=None, variant=variant)
     if training_path is None:
-        raise permanent(
+        raise Fail(
+            "flake.contract-broken",
             f"the flake {session.flake!r} built no training output holding bin/{os.path.basename(recipe.bin)}: "
             "its fdl.training does not follow the contract (nix/CONTRACT.md: install the recipe's bin to $out/bin/)",
-            reason="flake.contract-broken",
         )
     binary = Binary(
         path=os.path.join(training_path, "bin", os.path.basename(recipe.bin)),

@@ -45,7 +45,7 @@ import re
 from collections.abc import Sequence
 
 from prepare import human
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
 from prepare.nix_log import ACT_COPY_PATH, Log, store_name
 
 # Seconds to establish a connection to a cache (or any other download).
@@ -132,14 +132,14 @@ def untrusted(log: Log, substituters: Sequence[str]) -> Fail | None:
     if not dropped:
         return None
     listed = " ".join(dict.fromkeys(dropped))
-    return permanent(
+    return Fail(
+        "nix.cache-untrusted",
         f"the Nix daemon ignores the binary cache {listed} (nix.substituters, --substituter): this user "
         f"({_user()}) is not one of its trusted-users, and it takes a cache from other users only when nix.conf "
         f"lists it in trusted-substituters. Fix, as root: add `trusted-substituters = {listed}` (and its keys to "
         "`trusted-public-keys`) to /etc/nix/nix.conf, or add this user to `trusted-users` there, then "
         "`systemctl restart nix-daemon` (NixOS: nix.settings.trusted-substituters / trusted-users); or run "
         "fdl-prepare as root",
-        reason="nix.cache-untrusted",
     )
 
 

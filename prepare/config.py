@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from prepare import human
-from prepare.fail import permanent
+from prepare.fail import Fail
 from prepare.fields import (
     BOOLEAN,
     BUILD_SECONDS,
@@ -89,24 +89,22 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
     config without a word."""
     if flag is not None:
         if not flag.strip():
-            raise permanent(
-                "--config is empty: give the path of a TOML file, or drop --config", reason="config.missing"
-            )
+            raise Fail("config.missing", "--config is empty: give the path of a TOML file, or drop --config")
         path = Path(flag)
         if not os.path.exists(path):
-            raise permanent(
+            raise Fail(
+                "config.missing",
                 f"--config {flag}: no such file; fix the path, or drop --config to use ${CONFIG_ENV} or {default}",
-                reason="config.missing",
             )
         return path
     named = env.get(CONFIG_ENV)
     if named:
         path = Path(named)
         if not os.path.exists(path):
-            raise permanent(
+            raise Fail(
+                "config.missing",
                 f"{CONFIG_ENV}={named}: no such file; fix the path, or unset {CONFIG_ENV} "
                 f"(in a systemd unit, its Environment= line) to use {default}",
-                reason="config.missing",
             )
         return path
     # lexists: a dangling symlink at the default place is a broken install,
@@ -138,24 +136,24 @@ def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"config {path}, line {line}: byte 0x{raw[exc.start]:02x} is not UTF-8, and TOML files "
             f"must be UTF-8: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
             f"&& mv {path}.utf8 {path})",
-            reason="config.invalid",
         ) from None
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise permanent(_syntax_message(path, text, exc), reason="config.invalid") from None
+        raise Fail("config.invalid", _syntax_message(path, text, exc)) from None
     except RecursionError:
-        raise permanent(_too_deep(path), reason="config.invalid") from None
+        raise Fail("config.invalid", _too_deep(path)) from None
     try:
         return _join_table(path, text, doc, table)
     except RecursionError:
         # Parsed, but nested deeper than the checks below (and the messages
         # that quote values) can walk.
-        raise permanent(_too_deep(path), reason="config.invalid") from None
+        raise Fail("config.invalid", _too_deep(path)) from None
 
 
 def _too_deep(path: Path) -> str:
@@ -174,30 +172,28 @@ def _read(path: Path) -> bytes | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except IsADirectoryError:
-        raise permanent(
-            f"config {path} is a directory; name the TOML file itself", reason="config.unreadable"
-        ) from None
+        raise Fail("config.unreadable", f"config {path} is a directory; name the TOML file itself") from None
     except OSError as exc:
-        raise permanent(
-            f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}", reason="config.unreadable"
+        raise Fail(
+            "config.unreadable", f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}"
         ) from None
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
-            raise permanent(f"config {path} is a directory; name the TOML file itself", reason="config.unreadable")
+            raise Fail("config.unreadable", f"config {path} is a directory; name the TOML file itself")
         if stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == _DEV_NULL:
             return None
         if not stat.S_ISREG(st.st_mode):
-            raise permanent(
+            raise Fail(
+                "config.unreadable",
                 f"config {path} is {_file_type(st.st_mode)}, not a regular file: a config is a TOML file; point "
                 f"--config / ${CONFIG_ENV} at one",
-                reason="config.unreadable",
             )
         if st.st_size > MAX_CONFIG_BYTES:
-            raise permanent(
+            raise Fail(
+                "config.unreadable",
                 f"config {path} is {human.size(st.st_size)}, more than any config ({human.size(MAX_CONFIG_BYTES)} "
                 f"at most): is it the right file? point --config / ${CONFIG_ENV} at the TOML file with [join]",
-                reason="config.unreadable",
             )
         chunks = []
         left = MAX_CONFIG_BYTES + 1
@@ -209,16 +205,16 @@ def _read(path: Path) -> bytes | None:
             left -= len(chunk)
         raw = b"".join(chunks)
     except OSError as exc:
-        raise permanent(
-            f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}", reason="config.unreadable"
+        raise Fail(
+            "config.unreadable", f"config {path} cannot be read: {human.oserror(exc)}; {_read_fix(path, exc)}"
         ) from None
     finally:
         os.close(fd)
     if len(raw) > MAX_CONFIG_BYTES:
-        raise permanent(
+        raise Fail(
+            "config.unreadable",
             f"config {path} grew past {human.size(MAX_CONFIG_BYTES)} while it was read: point --config / "
             f"${CONFIG_ENV} at a TOML file that is not being written",
-            reason="config.unreadable",
         )
     return raw
 
@@ -234,11 +230,11 @@ def _check_trust(path: Path) -> None:
 
     found = trust.doubt(str(path))
     if found is not None:
-        raise permanent(
+        raise Fail(
+            "config.untrusted",
             f"config {path} is not trusted: {found.path} {found.why}. fdl-prepare runs as root and does what "
             f"its config says (an ssh option such as ProxyCommand runs a command), so only root may be able to "
             f"change it. Fix: {found.fix}",
-            reason="config.untrusted",
         )
 
 
@@ -259,22 +255,22 @@ def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> dic
     if "join" not in doc:
         typo = next((k for k in doc if _looks_like_join(k)), None)
         if typo is not None:
-            raise permanent(
+            raise Fail(
+                "config.invalid",
                 f"config {path}: there is a [{typo}] table but no [join]; "
                 f"did you mean [join]? fdl-prepare reads only [join]",
-                reason="config.invalid",
             )
         return {}
     join = doc["join"]
     if not isinstance(join, dict):
         shown = "an array of tables ([[join]])" if isinstance(join, list) else f"{show(join)}"
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"config {path}{_at(_line_of(text, ('join',)))}: join must be a table written [join], got {shown}",
-            reason="config.invalid",
         )
     problems = _validate(join, _file_namer(text), table)
     if problems:
-        raise permanent(_problems_message(f"config {path}", problems), reason="config.invalid")
+        raise Fail("config.invalid", _problems_message(f"config {path}", problems))
     plain: dict[str, Any] = _plain(join)
     return plain
 
@@ -360,11 +356,11 @@ def resolve(
     cannot work together (RULES)."""
     problems = _validate(file, lambda key: (f"join.{key}", None), table)
     if problems:
-        raise permanent(_problems_message("config", problems), reason="config.invalid")
+        raise Fail("config.invalid", _problems_message("config", problems))
     given = _drop_none(flags)
     problems = _validate(given, _flag_namer(table), table, flags=True)
     if problems:
-        raise permanent(_problems_message("flags", problems), reason="config.invalid")
+        raise Fail("config.invalid", _problems_message("flags", problems))
 
     values: dict[str, Any] = {}
     origins: dict[str, Origin] = {}
@@ -433,7 +429,7 @@ def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
     form resolve gives them (a URL without surrounding spaces)."""
     problems = _shape_problems(spec, table)
     if problems:
-        raise permanent(_problems_message("PrepareSpec", problems), reason="config.invalid")
+        raise Fail("config.invalid", _problems_message("PrepareSpec", problems))
     for f in table.fields:
         value = value_at(spec, f.spec)
         if value is None:
@@ -450,7 +446,7 @@ def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
             # No TOML spelling hints for a value that came from code.
             problems.append(f"PrepareSpec.{f.spec} = {f.kind.show(value)}: {problem}")
     if problems:
-        raise permanent(_problems_message("PrepareSpec", problems), reason="config.invalid")
+        raise Fail("config.invalid", _problems_message("PrepareSpec", problems))
     spec = _normalised(spec, table)
     _check_rules(spec)
     return spec
@@ -529,9 +525,9 @@ def _check_rules(spec: PrepareSpec) -> None:
 
     problems = [problem for rule in RULES if (problem := rule(spec, where)) is not None]
     if len(problems) == 1:
-        raise permanent(problems[0], reason="config.invalid")
+        raise Fail("config.invalid", problems[0])
     if problems:
-        raise permanent(f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems), reason="config.invalid")
+        raise Fail("config.invalid", f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def env_value(env: Mapping[str, str], name: str) -> str | None:

@@ -144,7 +144,7 @@ def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -
     import grp
     import pwd
 
-    from prepare.fail import permanent
+    from prepare.fail import Fail
 
     environ = os.environ if environ is None else environ
     if os.geteuid() != 0:
@@ -159,16 +159,16 @@ def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -
     try:
         entry = pwd.getpwnam(user)
     except KeyError:
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"smoke_user = {user!r} is not a user of this box: the smoke run executes the training source's code, "
             f"and never as root. Fix: {fix}",
-            reason="config.invalid",
         ) from None
     if entry.pw_uid == 0 or entry.pw_gid == 0:
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"smoke_user = {user!r} is root (uid {entry.pw_uid}, gid {entry.pw_gid}): the smoke run executes the "
             f"training source's code, which must never run as root. Fix: {fix}",
-            reason="config.invalid",
         )
     groups: list[int] = []
     names: list[str] = []
@@ -222,7 +222,7 @@ def _make_home(uid: int | None, gid: int | None, environ: dict[str, str] | os._E
     import tempfile
 
     from prepare import human
-    from prepare.fail import permanent
+    from prepare.fail import Fail
 
     candidates = [environ.get("TMPDIR") or "", "/tmp", "/var/tmp"]
     usable = [c for c in candidates if c and (uid is None or _enterable(c))]
@@ -236,15 +236,15 @@ def _make_home(uid: int | None, gid: int | None, environ: dict[str, str] | os._E
                 os.chown(home, uid, gid)
         except OSError as err:
             os.rmdir(home)
-            raise permanent(
+            raise Fail(
+                "dirs.unwritable",
                 f"cannot give the smoke run a home of its own in {where}: chown failed ({human.oserror(err)})",
-                reason="dirs.unwritable",
             ) from None
         return home
-    raise permanent(
+    raise Fail(
+        "dirs.unwritable",
         f"no temporary directory the smoke run's user can use (tried {', '.join(c for c in candidates if c)}): "
         "make /tmp enterable and writable (`chmod 1777 /tmp`), or set TMPDIR to one that is",
-        reason="dirs.unwritable",
     )
 
 

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
 
 if TYPE_CHECKING:
     from prepare.spec import PrepareSpec
@@ -72,10 +72,10 @@ def ensure_root(spec: PrepareSpec, notes: list[str]) -> str | None:
     source = sshfs_url.with_tunnel_defaults(sshfs_url.parse_source(data.data_source), spec.ssh, notes)
     mountpoint = _absolute(data.data_path if data.data_path is not None else DEFAULT_DATA_PATH, "data_path")
     if mountpoint == "/":
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             "data_path '/' cannot be the mountpoint of data_source: it would cover the whole "
             "machine. Set `data_path` to an empty directory such as /flodl/data.",
-            reason="config.invalid",
         )
     with _mount_lock(mountpoint, spec.list_timeout_s):
         mount.establish(source, mountpoint, spec, notes)
@@ -84,21 +84,19 @@ def ensure_root(spec: PrepareSpec, notes: list[str]) -> str | None:
 
 def _absolute(path: str, field: str) -> str:
     if not path.strip():
-        raise permanent(
-            f"`{field}` is empty; give an absolute directory such as {DEFAULT_DATA_PATH}.", reason="config.invalid"
-        )
+        raise Fail("config.invalid", f"`{field}` is empty; give an absolute directory such as {DEFAULT_DATA_PATH}.")
     if "\0" in path:
-        raise permanent(f"`{field}` {path!r} contains a NUL byte; no path can.", reason="config.invalid")
+        raise Fail("config.invalid", f"`{field}` {path!r} contains a NUL byte; no path can.")
     expanded = os.path.expanduser(path)
     if not os.path.isabs(expanded):
         # Resolving it would use our cwd, which is nobody's choice: `/` under
         # systemd, wherever a shell happened to be otherwise.
         shown = f" (expands to {expanded!r})" if expanded != path else ""
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"`{field}` {path!r}{shown} is a relative path; it would resolve against the current "
             f"directory ({os.getcwd()}; `/` under systemd). Give an absolute directory such as "
             f"{DEFAULT_DATA_PATH} (flag --data-path).",
-            reason="config.invalid",
         )
     # Lexical on purpose: abspath never consults symlinks.
     return os.path.abspath(expanded)
@@ -141,10 +139,10 @@ def _mount_lock(mountpoint: str, list_timeout_s: float) -> Iterator[None]:
     wait = 3 * mount.MOUNT_TIMEOUT_S + 3 * (list_timeout_s + listing.CHILD_GRACE_S) + LOCK_GRACE_S
 
     def cannot_open(err: OSError) -> Fail:
-        return permanent(
+        return Fail(
+            "dirs.unwritable",
             f"cannot open the mount lock {path} for data_path {mountpoint}: {human.oserror(err)}; "
             f"make {os.path.dirname(path)} writable for this user.",
-            reason="dirs.unwritable",
         )
 
     with locks.held(

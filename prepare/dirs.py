@@ -28,7 +28,7 @@ import threading
 from dataclasses import dataclass
 
 from prepare import human, mounts
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
 
 # Below this the cache or stage is likely to fill during a run: worth a note,
 # not a refusal, because a small dataset fits in much less.
@@ -85,11 +85,11 @@ def _home(notes: list[str]) -> tuple[str, str]:
     home = os.environ.get("HOME")
     if home:
         if not os.path.isabs(home):
-            raise permanent(
+            raise Fail(
+                "dirs.no-home",
                 f"HOME={home!r} is not an absolute path, so the dataset cache "
                 f"($HOME/.flodl/data) would move with the working directory: "
                 f"set HOME to an absolute path (Environment=HOME=/var/lib/fdl in a systemd unit)",
-                reason="dirs.no-home",
             )
         return home, f"HOME={home}"
     uid = os.getuid()
@@ -98,11 +98,11 @@ def _home(notes: list[str]) -> tuple[str, str]:
     except KeyError:
         entry = None
     if entry is None or not entry.pw_dir or not os.path.isabs(entry.pw_dir):
-        raise permanent(
+        raise Fail(
+            "dirs.no-home",
             f"HOME is unset and uid {uid} has no home directory in the password "
             f"database, so there is no place for the dataset cache ($HOME/.flodl/data): "
             f"set HOME to a writable directory (Environment=HOME=/var/lib/fdl in a systemd unit)",
-            reason="dirs.no-home",
         )
     notes.append(
         f"HOME is unset: the dataset cache goes under {entry.pw_dir}, the home of "
@@ -132,14 +132,13 @@ def _stage() -> tuple[str, str]:
             fix = f"create it (sudo mkdir -m 1777 {path}) or set TMPDIR to an existing directory"
         else:
             fix = f"create it (mkdir -p {path}) or point {_var(origin, 'TMPDIR')} at an existing directory"
-        raise permanent(
-            f"stage directory {path} (from {origin}) cannot be used: {human.oserror(exc)}; {fix}",
-            reason="dirs.unwritable",
+        raise Fail(
+            "dirs.unwritable", f"stage directory {path} (from {origin}) cannot be used: {human.oserror(exc)}; {fix}"
         ) from None
     if not stat.S_ISDIR(st.st_mode):
-        raise permanent(
+        raise Fail(
+            "dirs.unwritable",
             f"stage directory {path} (from {origin}) is not a directory; point {_var(origin, 'TMPDIR')} at a directory",
-            reason="dirs.unwritable",
         )
     return path, origin
 
@@ -195,11 +194,11 @@ def _probe(directory: str, what: str, origin: str, *, var: str | None = None) ->
             pass
         except OSError as exc:
             if failure is None:
-                failure = permanent(
+                failure = Fail(
+                    "dirs.unwritable",
                     f"{what} (from {origin}): the probe {path} was written but cannot be "
                     f"removed: {human.oserror(exc)}; remove it by hand (rm -f {path}) and check "
                     f"the directory's permissions and mount options",
-                    reason="dirs.unwritable",
                 )
     if failure is not None:
         raise failure
@@ -258,7 +257,7 @@ def _unusable(
         )
     else:
         fix = f"check {path} and the filesystem under it, or point {var} at another directory"
-    return permanent(f"{what} (from {origin}) {verb}: {human.oserror(exc)}; {fix}", reason="dirs.unwritable")
+    return Fail("dirs.unwritable", f"{what} (from {origin}) {verb}: {human.oserror(exc)}; {fix}")
 
 
 def _nearest_existing(path: str) -> str:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from prepare import human, proc
 from prepare import state as state_mod
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
 
 DEFAULT = "/run/opengl-driver/lib"
 KERNEL_VERSION = "/proc/driver/nvidia/version"
@@ -107,11 +107,11 @@ def ensure(directory: str, notes: list[str]) -> None:
     if kernel is None or is_nixos():
         return
     if not os.path.isabs(directory):
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"driver_dir = {directory!r} is not an absolute path: Nix-built programs look for the driver at a fixed "
             f"path. Leave it out for {DEFAULT} (where nixpkgs' addDriverRunpath looks), or give the absolute "
             "path your flake's programs were built for (--driver-dir)",
-            reason="config.invalid",
         )
     libraries = _host_libraries(notes)
     if libraries is None:
@@ -189,28 +189,28 @@ def _check_versions(libraries: Sequence[Library], kernel: str) -> None:
     names = {lib.name: lib for lib in libraries}
     missing = [name for name in (NVML, CUDA) if name not in names]
     if missing:
-        raise permanent(
+        raise Fail(
+            "gpu.no-driver",
             f"GPU gate: the NVIDIA kernel module {kernel or '(version unreadable)'} is loaded, but the host's linker "
             f"cache (`ldconfig -p`) lists no {' and no '.join(missing)}: the driver's user-space libraries are not "
             "installed, so no program can use the GPUs. Install them at the kernel module's version (Debian: "
             "`sudo apt install nvidia-driver libcuda1` from non-free; Ubuntu: `sudo apt install "
             "libnvidia-compute-<branch>`, with <branch> the module's), then `sudo ldconfig`; or, for a CPU-only "
             "worker, pass --cpu-only (cpu_only = true under [join]).",
-            reason="gpu.no-driver",
         )
     if not kernel:
         return
     for name in (CUDA, NVML):
         version = library_version(names[name].path)
         if version is not None and version != kernel:
-            raise permanent(
+            raise Fail(
+                "gpu.driver-mismatch",
                 f"GPU gate: driver/library version mismatch: the loaded NVIDIA kernel module is {kernel} "
                 f"({KERNEL_VERSION}), but {name} is {version} ({names[name].path} -> "
                 f"{os.path.realpath(names[name].path)}): every CUDA call would fail. A driver upgrade leaves this "
                 "until the next boot: reboot (or reload the modules: `sudo rmmod nvidia_uvm nvidia_drm "
                 "nvidia_modeset nvidia && sudo modprobe nvidia`); if it persists, the libraries and the module "
                 "come from different packages: install both at one version.",
-                reason="gpu.driver-mismatch",
             )
 
 
@@ -316,12 +316,12 @@ def _read_manifest(fd: int) -> dict[str, str]:
 
 
 def _refused(directory: str, why: str, fix: str) -> Fail:
-    return permanent(
+    return Fail(
+        "gpu.driver-dir-untrusted",
         f"GPU gate: the driver directory {directory} (driver_dir, --driver-dir) {why}. fdl-prepare writes and removes "
         f"links there as root, and every Nix-built program loads the driver from it, so it must be a real "
         f"directory of fdl-prepare's own, owned by root and writable by nobody else, reached through no symlink. "
         f"Fix: {fix}",
-        reason="gpu.driver-dir-untrusted",
     )
 
 
@@ -426,14 +426,14 @@ def _replace_link(fd: int, target: str, name: str) -> None:
 
 
 def _unwritable(directory: str, err: OSError) -> Fail:
-    return permanent(
+    return Fail(
+        "gpu.driver-dir-unwritable",
         f"GPU gate: the driver directory {directory} cannot be written ({human.oserror(err)}): Nix-built programs "
         "(the training binary, libtorch) find the host's NVIDIA driver only there on a box that is not NixOS. "
         f"Run fdl-prepare as root (the unit does), or create it once for this user (`sudo install -d -o $USER "
         f"{directory}`; /run is emptied at boot, so a systemd-tmpfiles line `d {directory} 0755 <user> - -` keeps "
         "it), or set driver_dir in [join] (--driver-dir) to the directory your flake's programs were built to "
         "look in.",
-        reason="gpu.driver-dir-unwritable",
     )
 
 
@@ -452,10 +452,10 @@ def preload_nvml(directory: str) -> bool:
     # else could have put it (on NixOS the directory is a link into the store).
     found = trust.doubt(path)
     if found is not None:
-        raise permanent(
+        raise Fail(
+            "gpu.driver-dir-untrusted",
             f"GPU gate: NVML would be loaded from the driver directory {directory} (driver_dir, --driver-dir), but "
             f"{found.path} {found.why}: whoever could change it could run code as this process. Fix: {found.fix}",
-            reason="gpu.driver-dir-untrusted",
         )
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, time
 from typing import Any
 
-from prepare.fail import permanent
+from prepare.fail import Fail
 from prepare.redact import credentials, redact
 from prepare.spec import PrepareSpec
 
@@ -385,10 +385,10 @@ def parse_devices(text: str, field: str = "--devices") -> list[int]:
     parts = [p.strip() for p in text.split(",")]
     # isascii: str.isdigit() also admits digits such as '²' that int() refuses.
     if not text.strip() or any(not (p.isascii() and p.isdigit()) for p in parts):
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"{field} {show(text)}: expected comma-separated device indices such as {field} 0,1 "
             f"(omit it to offer every visible device)",
-            reason="config.invalid",
         )
     return [int(p) for p in parts]
 

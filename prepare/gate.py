@@ -45,7 +45,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from prepare import nvml
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail
 from prepare.gpus import AMD, NVIDIA, Device, Gpus
 from prepare.nvml import CPU_ONLY, NvmlUnusable
 
@@ -110,11 +110,11 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
     amd = gpus.amd
     amd_devices = () if amd is None else amd.devices
     if not devices and not amd_devices:
-        raise permanent(
+        raise Fail(
+            "gpu.no-device",
             f"GPU gate: NVML reports no NVIDIA device (driver {gpus.driver_version or 'version unknown'} is "
             "loaded). `nvidia-smi -L` and `lspci | grep -i nvidia` show what the machine has; a container "
             f"needs the GPUs passed in (the NVIDIA container toolkit), {CPU_ONLY}.",
-            reason="gpu.no-device",
         )
 
     if spec.devices is not None:
@@ -122,12 +122,12 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         amd_count = 0 if amd is None else amd.runtime_count
         absent = [i for i in wanted if not (0 <= i < len(devices) or 0 <= i < amd_count)]
         if absent and amd is None:
-            raise permanent(
+            raise Fail(
+                "gpu.device-absent",
                 f"GPU gate: devices = {list(spec.devices)} (--devices) names "
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {len(devices)} device(s), indices 0-{len(devices) - 1}. Change devices in [join] "
                 "(or --devices) to indices that exist; `fdl-prepare gpus` lists them.",
-                reason="gpu.device-absent",
             )
         if absent:
             have = [
@@ -135,13 +135,13 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
                 for vendor, count in (("NVIDIA", len(devices)), ("AMD", amd_count))
                 if count
             ]
-            raise permanent(
+            raise Fail(
+                "gpu.device-absent",
                 f"GPU gate: devices = {list(spec.devices)} (--devices) names "
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {' and '.join(have) or 'no GPU the runtimes can see'} (each vendor numbers "
                 "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
                 "exist; `fdl-prepare gpus` lists them.",
-                reason="gpu.device-absent",
             )
         kept = tuple(d for d in gpus.offered if d.index in wanted)
         gpus = replace(gpus, offered=kept, devices_mask=wanted)
@@ -165,7 +165,7 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             f"a lost GPU needs a reset (`sudo nvidia-smi -r`) or a reboot, {CPU_ONLY}."
         )
         if amd is None or not amd_devices:
-            raise permanent("GPU gate: no usable GPU: " + nvidia_why, reason="gpu.unusable")
+            raise Fail("gpu.unusable", "GPU gate: no usable GPU: " + nvidia_why)
         message = "GPU gate: no usable GPU: " + _no_usable_amd(amd) + "."
         if devices:
             message += " NVIDIA: " + nvidia_why
@@ -173,7 +173,7 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             message += f" No NVIDIA GPU either ({gpus.nvidia_error})."
         # A ROCm runtime that cannot open the device nodes is this user's or
         # this container's access, not the cards.
-        raise permanent(message, reason="gpu.no-access" if amd.blocked is not None else "gpu.unusable")
+        raise Fail("gpu.no-access" if amd.blocked is not None else "gpu.unusable", message)
     # Usable NVIDIA cards the masks leave, none of them healthy: what stops
     # the box is the cards' health, not the masks.
     left = [d for d in usable if gpus.masked_by(d.index) is None]
@@ -197,7 +197,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
         )
         from prepare.amd import labels
 
-        raise permanent(
+        raise Fail(
+            "gpu.masked",
             "GPU gate: every usable GPU is masked: "
             + (" then ".join(masks) or "the masks")
             + " leave none of "
@@ -206,7 +207,6 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             + ("it" if amd is None else "them")
             + " to see every card) or devices in [join] (--devices); `fdl-prepare gpus` lists the cards and what "
             "masks them.",
-            reason="gpu.masked",
         )
     if spec.expect_gpus is not None:
         _check_expected(gpus, spec.expect_gpus)
@@ -267,16 +267,16 @@ def _check_expected(gpus: Gpus, expected: int) -> None:
         + ". "
     )
     if len(offered) + not_ready >= expected:
-        raise transient(
+        raise Fail(
+            "gpu.fabric-not-ready",
             said + "The cards still setting up their NVLink fabric may be ready on the next attempt, which retries.",
-            reason="gpu.fabric-not-ready",
         )
-    raise permanent(
+    raise Fail(
+        "gpu.expected-missing",
         said + "A card missing from the list has usually fallen off the bus: `lspci | grep -i -e nvidia -e amd` shows "
         "what the machine has, `sudo dmesg | grep -i -e xid -e nvrm -e amdgpu` why (Xid 79: fallen off the bus); "
         "reboot, then reseat or replace it. Fix a sick card as said above, or change expect_gpus in [join] "
         "(--expect-gpus) or the masks if this box is meant to offer fewer; `fdl-prepare gpus` lists the cards.",
-        reason="gpu.expected-missing",
     )
 
 
@@ -300,18 +300,18 @@ def _no_healthy(gpus: Gpus, left: Sequence[Device]) -> Fail:
     NVLink fabric is still being set up may be ready on the next attempt
     (transient); otherwise a person must reset, reboot or replace (permanent)."""
     if any(d.not_ready for d in left):
-        return transient(
+        return Fail(
+            "gpu.fabric-not-ready",
             "GPU gate: no GPU is ready to train yet: "
             + _card_states(gpus)
             + ". The next attempt retries; `nvidia-smi -q | grep -i -A3 fabric` shows each card's fabric state.",
-            reason="gpu.fabric-not-ready",
         )
-    return permanent(
+    return Fail(
+        "gpu.unhealthy",
         "GPU gate: no healthy GPU: "
         + _card_states(gpus)
         + ". `nvidia-smi -q -i <index>` shows the driver's view of a card, `sudo dmesg | grep -i xid` its faults; "
         f"{CPU_ONLY}.",
-        reason="gpu.unhealthy",
     )
 
 

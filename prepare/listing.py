@@ -13,7 +13,7 @@ import errno
 import sys
 
 from prepare import _list_root, proc
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail
 from prepare.sshfs_url import Source
 
 # How much longer than the listing itself the child may take to start and
@@ -39,11 +39,11 @@ def verify(path: str, timeout: float, *, mounted_from: Source | None, foreign: b
     (`foreign`) of some other mount found where that source belongs."""
     python = sys.executable or "python3"
     what, fix = _wording(path, mounted_from, foreign)
-    hung = transient(
+    hung = Fail(
+        "data.dead-mount",
         f"listing {what} {path} did not finish within {timeout:g}s: a dead or wedged mount "
         f"(the far side stopped answering). It may come back; if it does not, drop it with "
         f"`fusermount -u -z {path}` (or `sudo umount -l {path}`) and run again.",
-        reason="data.dead-mount",
     )
     try:
         # By file path: -I leaves the package off sys.path, and the child
@@ -56,22 +56,21 @@ def verify(path: str, timeout: float, *, mounted_from: Source | None, foreign: b
     except proc.TimedOut:
         raise hung from None
     except proc.Missing:
-        raise permanent(
-            f"cannot check {what} {path}: the Python interpreter {python!r} is not runnable",
-            reason="host.python-missing",
+        raise Fail(
+            "host.python-missing", f"cannot check {what} {path}: the Python interpreter {python!r} is not runnable"
         ) from None
     except proc.ExecFailed as failed:
-        raise transient(
+        raise Fail(
+            "data.check-failed",
             f"cannot check {what} {path}: the check could not be started ({failed}); the next attempt retries",
-            reason="data.check-failed",
         ) from None
 
     words = done.stdout.strip().split(" ", 2)
     if not done.ok or len(words) < 2:
-        raise transient(
+        raise Fail(
+            "data.check-failed",
             f"checking {what} {path} failed (the check exited {done.returncode}): "
             f"{(done.stderr or done.stdout).strip()[:500]}",
-            reason="data.check-failed",
         )
     stage, code = words[0], int(words[1]) if words[1].lstrip("-").isdigit() else 0
     reason = words[2] if len(words) > 2 else ""
@@ -100,24 +99,21 @@ def _wording(path: str, mounted_from: Source | None, foreign: bool) -> tuple[str
 def _refused(path: str, stage: str, code: int, reason: str, what: str, fix: str) -> Fail:
     """The Fail for a listing the kernel answered with an error."""
     if stage == "notdir":
-        return permanent(f"{what} {path} is not a directory; {fix}.", reason="data.root-unusable")
+        return Fail("data.root-unusable", f"{what} {path} is not a directory; {fix}.")
     if code == errno.ENOENT:
-        return permanent(f"{what} {path} does not exist; {fix}.", reason="data.root-unusable")
+        return Fail("data.root-unusable", f"{what} {path} does not exist; {fix}.")
     # The kernel answers ENOTCONN once a FUSE daemon is gone, and
     # ECONNABORTED to the first requests after an abort.
     if code in (errno.ENOTCONN, errno.ECONNABORTED):
         return Disconnected(
+            "data.dead-mount",
             f"{what} {path} is a FUSE mount whose process is gone ({reason}); "
             f"`fusermount -u -z {path}` drops it, then run again.",
-            permanent=False,
-            reason="data.dead-mount",
         )
     if code in _PATH_ERRNOS:
-        return permanent(
-            f"{what} {path} cannot be listed: {reason} (errno {code}); {fix}.", reason="data.root-unusable"
-        )
-    return transient(
+        return Fail("data.root-unusable", f"{what} {path} cannot be listed: {reason} (errno {code}); {fix}.")
+    return Fail(
+        "data.dead-mount",
         f"{what} {path} cannot be listed: {reason} (errno {code}), a fault of the mount or the far "
         f"side that may clear; if it persists, `fusermount -u -z {path}` and run again.",
-        reason="data.dead-mount",
     )

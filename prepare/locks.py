@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prepare import human
-from prepare.fail import Fail, transient
+from prepare.fail import Fail
 
 # The first pause between tries, doubled up to the last: a lock freed soon
 # is taken soon, and a long wait does not spin.
@@ -113,7 +113,7 @@ def _wait(fd: int, wait_s: float, stuck: str) -> float:
     while not _try(fd):
         left = deadline - time.monotonic()
         if left <= 0:
-            raise transient(stuck, reason="lock.busy")
+            raise Fail("lock.busy", stuck)
         time.sleep(min(pause, left))
         pause = min(pause * 2, _LAST_PAUSE_S)
     return time.monotonic() - start

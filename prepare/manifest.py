@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prepare import human
-from prepare.fail import permanent, transient
+from prepare.fail import Fail
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,15 +96,14 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
     try:
         table = tomllib.loads(text)
     except tomllib.TOMLDecodeError as bad:
-        raise transient(
-            f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}",
-            reason="source.manifest-invalid",
+        raise Fail(
+            "source.manifest-invalid", f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}"
         ) from None
     except RecursionError:
-        raise transient(
+        raise Fail(
+            "source.manifest-invalid",
             f"the run manifest {where} nests arrays or tables thousands of levels deep, past what can be read: "
             f"publish a fixed {FILENAME}",
-            reason="source.manifest-invalid",
         ) from None
     values: dict[str, Any] = {}
     for key in _FIELDS:
@@ -118,26 +117,25 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
         if not ok:
             shown = repr(value)
             shown = shown if len(shown) <= 200 else shown[:197] + "..."
-            raise transient(
+            raise Fail(
+                "source.manifest-invalid",
                 f"the run manifest {where} has {key} = {shown}, expected {described}: publish a fixed {FILENAME}",
-                reason="source.manifest-invalid",
             )
         items = value if key in ("args", "smoke") else [value]
         # A NUL ends every path and argument the kernel takes: no command
         # line or path could carry the value as written.
         if any("\0" in item for item in items if isinstance(item, str)):
-            raise transient(
+            raise Fail(
+                "source.manifest-invalid",
                 f"the run manifest {where} has a NUL character (\\u0000) in {key}, which no path or argument can "
                 f"hold: publish a fixed {FILENAME}",
-                reason="source.manifest-invalid",
             )
         # The same bounds as the box's own values (prepare.fields): past
         # them, the kernel would refuse the command line (E2BIG).
         long = _too_long(key, items)
         if long:
-            raise transient(
-                f"the run manifest {where} has {key} {long}: publish a fixed {FILENAME}",
-                reason="source.manifest-invalid",
+            raise Fail(
+                "source.manifest-invalid", f"the run manifest {where} has {key} {long}: publish a fixed {FILENAME}"
             )
         values[key] = tuple(value) if key in ("args", "smoke") else value
     unknown = tuple(sorted(k for k in table if k not in _FIELDS))
@@ -173,22 +171,20 @@ def read(source_root: str) -> Manifest | None:
         return None
     except OSError as err:
         if err.errno == errno.ELOOP:
-            raise transient(
+            raise Fail(
+                "source.manifest-invalid",
                 f"the run manifest {path} is a symlink: a manifest is a file of the published tree, and root reads "
                 f"nothing outside it: publish {FILENAME} as a plain file",
-                reason="source.manifest-invalid",
             ) from None
-        raise transient(
-            f"cannot read the run manifest {path}: {human.oserror(err)}", reason="source.manifest-invalid"
-        ) from None
+        raise Fail("source.manifest-invalid", f"cannot read the run manifest {path}: {human.oserror(err)}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as bad:
         line = raw[: bad.start].count(b"\n") + 1
-        raise transient(
+        raise Fail(
+            "source.manifest-invalid",
             f"the run manifest {path} is not UTF-8 (byte 0x{raw[bad.start]:02x} on line {line}): TOML is UTF-8; "
             f"publish a fixed {FILENAME}",
-            reason="source.manifest-invalid",
         ) from None
     return parse(text, where=path)
 
@@ -235,13 +231,11 @@ def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> 
         else "a name or a relative path, without '..'"
     )
     if from_manifest:
-        raise transient(
+        raise Fail(
+            "source.manifest-invalid",
             f"the run manifest {FILENAME} has {key} = {value!r}; it must be {rule}: publish a fixed {FILENAME}",
-            reason="source.manifest-invalid",
         )
-    raise permanent(
-        f"source.{key} = {value!r} must be {rule}: fix [join.source] {key} (--source-{key})", reason="config.invalid"
-    )
+    raise Fail("config.invalid", f"source.{key} = {value!r} must be {rule}: fix [join.source] {key} (--source-{key})")
 
 
 def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
@@ -264,16 +258,16 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
             got[key], origin_of[key] = box_values[key], False
     if not got["bin"]:
         if manifest is None:
-            raise transient(
+            raise Fail(
+                "source.not-published",
                 f"the training source {source_url!r} has no run manifest ({FILENAME} at its root) and the box "
                 "declares no binary: nothing is published yet. Publish the run (`fdl publish` writes the "
                 f"manifest), or set source.bin (--source-bin) to build without one",
-                reason="source.not-published",
             )
-        raise transient(
+        raise Fail(
+            "source.manifest-invalid",
             f"the run manifest {FILENAME} in {source_url!r} names no bin and the box declares none: publish a "
             f"manifest with bin, or set source.bin (--source-bin)",
-            reason="source.manifest-invalid",
         )
     bin_ = _relative(got["bin"], "bin", origin_of["bin"], allow_dot=False)
     cwd = _relative(got["cwd"], "cwd", origin_of["cwd"], allow_dot=True) if got["cwd"] else "."
@@ -360,23 +354,23 @@ def check_tree(recipe: Recipe, source_root: str, source_url: str) -> None:
                 if "cwd" in recipe.from_manifest
                 else "source.cwd (--source-cwd) is"
             )
-            raise permanent(
+            raise Fail(
+                "source.cwd-escapes",
                 f"{origin} cwd = {recipe.cwd!r}, which leads out of the training source through a symlink (to "
                 f"{real}): a build and a run work inside the tree that was published. Publish a tree whose cwd is "
                 f"a directory of its own (and, for a box's value, fix [join.source] cwd), then restart the unit",
-                reason="source.cwd-escapes",
             )
         return
     if "cwd" in recipe.from_manifest:
-        raise transient(
+        raise Fail(
+            "source.manifest-invalid",
             f"the run manifest {FILENAME} in {source_url!r} has cwd = {recipe.cwd!r}, which is not a directory of "
             f"the published tree: publish a fixed {FILENAME}",
-            reason="source.manifest-invalid",
         )
-    raise permanent(
+    raise Fail(
+        "config.invalid",
         f"source.cwd = {recipe.cwd!r} is not a directory of the training source {source_url!r}: fix [join.source] "
         "cwd (--source-cwd), or publish a manifest that sets it",
-        reason="config.invalid",
     )
 
 

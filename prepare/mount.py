@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping
 
 from prepare import human, listing, mounts, proc
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail
 from prepare.spec import PrepareSpec, SshSpec
 from prepare.sshfs_url import Source, sshfs_argv
 
@@ -99,21 +99,21 @@ def _ensure_mountpoint(mountpoint: str) -> None:
     if os.path.isdir(mountpoint):
         return
     if os.path.lexists(mountpoint):
-        raise permanent(
+        raise Fail(
+            "data.mountpoint-unusable",
             f"the mountpoint {mountpoint} for data_source exists and is not a directory; remove it, "
             f"or set `data_path` to a directory this user owns.",
-            reason="data.mountpoint-unusable",
         )
     try:
         os.makedirs(mountpoint, exist_ok=True)
     except OSError as err:
         user = human.user()
-        raise permanent(
+        raise Fail(
+            "data.mountpoint-unusable",
             f"the mountpoint {mountpoint} for data_source does not exist and cannot be created: "
             f"{human.oserror(err)}. Create it once during provisioning "
             f"(`sudo mkdir -p {mountpoint} && sudo chown {user} {mountpoint}`), or set `data_path` "
             f"to a directory this user owns.",
-            reason="data.mountpoint-unusable",
         ) from None
 
 
@@ -135,17 +135,15 @@ def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None) -
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as err:
-        raise permanent(
-            f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.",
-            reason="data.identity-unreadable",
+        raise Fail(
+            "data.identity-unreadable", f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}."
         ) from None
     try:
         st = os.fstat(fd)
         text = os.read(fd, _KEY_BYTES) if stat.S_ISREG(st.st_mode) else os.read(fd, 1)
     except OSError as err:
-        raise permanent(
-            f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}.",
-            reason="data.identity-unreadable",
+        raise Fail(
+            "data.identity-unreadable", f"the ssh identity file {key} cannot be read: {human.oserror(err)}; {fix}."
         ) from None
     finally:
         os.close(fd)
@@ -164,20 +162,20 @@ def _check_key(key: str, st: os.stat_result, text: bytes, env: Mapping[str, str]
     # OpenSSH's own rule (sshkey_perm_ok): a key its user owns must be
     # readable by nobody else, or it is ignored.
     if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
-        raise permanent(
+        raise Fail(
+            "data.identity-unusable",
             f"the ssh identity file {key} has mode {stat.S_IMODE(st.st_mode):04o}: ssh refuses a private key "
             f"that others can read (\"Permissions {stat.S_IMODE(st.st_mode):04o} for '{key}' are too open\") and "
             f"does not use it. `chmod 600 {key}`; set `ssh.identity_file` (flag --identity-file) to the key the "
             "data host accepts",
-            reason="data.identity-unusable",
         )
     if _encrypted(text) and not env.get("SSH_AUTH_SOCK"):
-        raise permanent(
+        raise Fail(
+            "data.identity-unusable",
             f"the ssh identity file {key} has a passphrase, and the mount runs with BatchMode=yes, which cannot "
             'type one (ssh would only say "Permission denied (publickey)", and the box would retry for ever). '
             f"Remove the passphrase (`ssh-keygen -p -N '' -f {key}`, the file kept mode 0600), or load the key "
             "into an ssh-agent whose socket the unit gets as SSH_AUTH_SOCK (the NixOS module's sshAuthSock)",
-            reason="data.identity-unusable",
         )
 
 
@@ -292,8 +290,8 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
     except proc.Missing:
         raise _no_sshfs(source) from None
     except proc.ExecFailed as failed:
-        raise transient(
-            f"{where}: sshfs could not be started ({failed}); the next attempt retries", reason="data.unreachable"
+        raise Fail(
+            "data.unreachable", f"{where}: sshfs could not be started ({failed}); the next attempt retries"
         ) from None
     except proc.TimedOut as late:
         # sshfs puts the FUSE mount in place before its ssh has finished
@@ -301,10 +299,10 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
         # to everyone. Nothing was mounted here when we started (we hold
         # the lock), so whatever sshfs is there now is this attempt's.
         _discard(mountpoint)
-        raise transient(
+        raise Fail(
+            "data.unreachable",
             f"{where}: sshfs did not finish within {MOUNT_TIMEOUT_S:g}s (the far side accepts "
             f"connections but does not answer){_quoted(late.stderr)}",
-            reason="data.unreachable",
         ) from None
     took = time.monotonic() - start
     if not done.ok:
@@ -334,9 +332,7 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
     # sshfs exits 0 only once its connection is up, so a zero exit with
     # nothing mounted means the far side went away mid-handshake.
     if not _is_sshfs_at(mountpoint):
-        raise transient(
-            f"{where}: sshfs exited 0 but nothing is mounted there{_quoted(done.stderr)}", reason="data.unreachable"
-        )
+        raise Fail("data.unreachable", f"{where}: sshfs exited 0 but nothing is mounted there{_quoted(done.stderr)}")
 
 
 # What ssh says when it will not use a private key it was given (one named
@@ -378,35 +374,35 @@ def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str
             if changed
             else "has a host key ssh does not know, and strict checking cannot ask (Host key verification failed)"
         )
-        return permanent(
+        return Fail(
+            "data.host-key",
             f"{where}: the data host {what}. No retry changes known_hosts: {host_key_fix(source.host, source.port)}. "
             f"Try it by hand: `{shlex.join(verbose)}`",
-            reason="data.host-key",
         )
     keys = [line.strip() for line in everything.splitlines() if _KEY_REFUSED.match(line.strip())]
     if keys:
-        return permanent(
+        return Fail(
+            "data.identity-unusable",
             f"{where}: ssh will not use the private key it was given (ssh said: {' / '.join(dict.fromkeys(keys))}). "
             "That is this box's key, not the far side: `chmod 600` a key others can read, remove a passphrase "
             "(`ssh-keygen -p -N '' -f KEY`) or load the key into an ssh-agent, and check `ssh.identity_file` "
             f"(flag --identity-file) and any IdentityFile in `ssh.options`. Try it by hand: `{shlex.join(verbose)}`",
-            reason="data.identity-unusable",
         )
     refused = _option_errors(f"{done.stderr}\n{said}")
     if refused:
         # Transient would restart the unit into the same refusal forever.
         in_file = any(not line.startswith(("fuse: ", "command-line")) for line in refused)
-        return permanent(
+        return Fail(
+            "config.invalid",
             f"{where}: ssh cannot use the options it was given (sshfs said: {' / '.join(refused)}). "
             f"That is this box's configuration, not the far side: fix `ssh.options` (flag "
             f"--ssh-option: ssh_config options as Key=Value, or sshfs's own)"
             f"{' or the ssh_config file named there' if in_file else ''}. "
             f"Try it by hand: `{shlex.join(verbose)}`",
-            reason="config.invalid",
         )
-    return transient(
+    return Fail(
+        "data.unreachable",
         f"{where} failed: sshfs exited {done.returncode}{_quoted(said)}. Try it by hand: `{shlex.join(verbose)}`",
-        reason="data.unreachable",
     )
 
 
@@ -423,10 +419,10 @@ def _is_sshfs_at(mountpoint: str) -> bool:
 
 
 def _no_sshfs(source: Source) -> Fail:
-    return permanent(
+    return Fail(
+        "data.sshfs-missing",
         f"data_source `{source.url}` needs sshfs, which is not installed (not on PATH). Install it: "
         f"{INSTALL_SSHFS}. Or mount the source during provisioning and declare only `data_path`.",
-        reason="data.sshfs-missing",
     )
 
 
@@ -443,10 +439,10 @@ def _unmount(mountpoint: str) -> None:
                 return
         except (proc.ExecFailed, proc.TimedOut):
             continue
-    raise transient(
+    raise Fail(
+        "data.dead-mount",
         f"{mountpoint} carries a dead sshfs mount (transport endpoint not connected) that could not "
         f"be unmounted; run `fusermount -u -z {mountpoint}`.",
-        reason="data.dead-mount",
     )
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prepare import caches, human, proc, state
-from prepare.fail import Fail, Reason, permanent, transient
+from prepare.fail import Fail, Reason
 from prepare.fields import LIMITS
 from prepare.nix_diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix_log import Log, strip_ansi
@@ -161,10 +161,10 @@ class Nix:
         try:
             state.write_file(self.registry, b'{"flakes": [], "version": 2}\n', "state directory")
         except OSError as err:
-            raise permanent(
+            raise Fail(
+                "dirs.unwritable",
                 f"cannot write the empty flake registry {self.registry}: {human.oserror(err)}; make the state "
                 "directory writable for this user, or set state_dir (--state-dir) to a directory it can write",
-                reason="dirs.unwritable",
             ) from None
 
     def _run(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Completed:
@@ -184,23 +184,21 @@ class Nix:
         if isinstance(failed, proc.TooLong):
             size = sum(len(str(a).encode()) + 1 for a in argv)
             longest = max((len(str(a).encode()) for a in argv), default=0)
-            return permanent(
+            return Fail(
+                "config.invalid",
                 f"the nix command line is {human.size(size)} (its longest argument {human.size(longest)}), which the "
                 f"kernel refuses (E2BIG): a URL or argument past what a program can be given. fdl-prepare takes "
                 f"URLs of up to {LIMITS}; shorten the flake (--flake), source.from (--source) or nix.substituters "
                 "(--substituter) value",
-                reason="config.invalid",
             )
-        return transient(
+        return Fail(
+            "nix.unknown",
             f"nix could not be started ({failed}): the box is short of processes or memory; the next attempt retries",
-            reason="nix.unknown",
         )
 
     def _missing(self) -> Fail:
         path = (self.env or os.environ).get("PATH", "")
-        return permanent(
-            f"nix is not installed: {self.program!r} is not on PATH ({path}); {INSTALL}", reason="nix.missing"
-        )
+        return Fail("nix.missing", f"nix is not installed: {self.program!r} is not on PATH ({path}); {INSTALL}")
 
     # -- version -------------------------------------------------------------
     def check_version(self) -> tuple[int, int, int]:
@@ -215,10 +213,10 @@ class Nix:
         except proc.ExecFailed as failed:
             raise self._not_started([resolved, "--version"], failed) from None
         if version[:2] < OLDEST:
-            raise permanent(
+            raise Fail(
+                "nix.too-old",
                 f"nix {'.'.join(map(str, version))} at {resolved} is older than {'.'.join(map(str, OLDEST))}, the "
                 f"oldest fdl-prepare supports (flakes and `nix build --json`); {INSTALL}",
-                reason="nix.too-old",
             )
         return version
 
@@ -241,10 +239,10 @@ class Nix:
         try:
             return _json(outcome.completed)
         except (ValueError, RecursionError):
-            raise permanent(
+            raise Fail(
+                "nix.evaluation",
                 f"{doing or 'evaluating ' + installable}: nix printed no JSON "
                 f"({outcome.completed.stdout[:200]!r}); is the flake's output a plain value?",
-                reason="nix.evaluation",
             ) from None
 
     def prefetch(
@@ -381,10 +379,10 @@ class Nix:
         try:
             results = [build_result(r) for r in _json(outcome.completed)]
         except (ValueError, TypeError, RecursionError):
-            raise transient(
+            raise Fail(
+                "nix.unknown",
                 f"{doing}: nix build printed no JSON result of a known shape "
                 f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
-                reason="nix.unknown",
             ) from None
         return results, outcome.log
 
@@ -434,11 +432,11 @@ class Nix:
         except proc.TimedOut as late:
             what = "the build" if phase == BUILD else "nix"
             slow_fix = "Raise build_timeout_s (--build-timeout) if the build is legitimately slow; "
-            raise transient(
+            raise Fail(
+                "nix.timeout",
                 f"{doing} did not finish within {late.timeout:g}s; {what} was stopped. "
                 + (slow_fix if phase == BUILD else "")
                 + "the next attempt retries",
-                reason="nix.timeout",
             ) from None
         outcome = Outcome(completed, log)
         # Before the call's own outcome: a daemon that dropped the box's
@@ -490,9 +488,9 @@ def _prefetched(url: str, stdout: str, doing: str) -> Prefetched:
             raise TypeError("locked is not an object")
         return prefetched
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        raise transient(
+        raise Fail(
+            "nix.fetch",
             f"{doing}: `nix flake prefetch` printed no store path ({stdout[:200]!r}); the next attempt retries",
-            reason="nix.fetch",
         ) from None
 
 
@@ -517,15 +515,15 @@ def _version(resolved: str, env: Mapping[str, str] | None, cache_file: str) -> t
         try:
             done = proc.run([resolved, "--version"], timeout=60, env=env)
         except proc.TimedOut:
-            raise transient(
-                f"`{resolved} --version` did not answer within 60s; the next attempt retries", reason="nix.timeout"
+            raise Fail(
+                "nix.timeout", f"`{resolved} --version` did not answer within 60s; the next attempt retries"
             ) from None
         version = parse_nix_version(done.stdout)
         if done.returncode != 0 or version is None:
-            raise permanent(
+            raise Fail(
+                "nix.broken",
                 f"`{resolved} --version` failed (exit {done.returncode}): "
                 f"{strip_ansi(done.stderr or done.stdout).strip()[:500]!r}; reinstall nix: {INSTALL}",
-                reason="nix.broken",
             )
         _remember_version(cache_file, key, version)
     _VERSIONS[key] = version
@@ -588,12 +586,12 @@ def build_tmpdir(env: Mapping[str, str]) -> str | None:
     for candidate in ("/tmp", "/var/tmp"):
         if _enterable_by_others(candidate):
             return candidate
-    raise permanent(
+    raise Fail(
+        "nix.build-dir",
         f"Nix's build users (nixbld) cannot enter TMPDIR={current!r}, nor /tmp or /var/tmp: a single-user Nix run "
         'as root builds there as those users, so every build would fail with "Permission denied". This is the '
         "box's setup, not the flake: make one of them enterable (`chmod 1777 /tmp`), or set TMPDIR to a "
         "directory every user can enter",
-        reason="nix.build-dir",
     )
 
 

@@ -378,7 +378,7 @@ def failure(
     message += f"\nFix: {chosen}"
     reason = unreachable if diagnosis.category == "fetch" else REASONS[diagnosis.category]
     # Nix and git quote URLs as they found them, a flake's own inputs too.
-    return Fail(redact(message), permanent=diagnosis.permanent, reason=reason)
+    return Fail(reason, redact(message))
 
 
 def _clip(text: str, limit: int = 3000) -> str:

@@ -37,7 +37,7 @@ import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail
 from prepare.gpus import Device, Gpus
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class NvmlUnusable(Fail):
     for a note on a box whose GPUs are AMD's."""
 
     def __init__(self, fail: Fail, said: str) -> None:
-        super().__init__(fail.message, permanent=fail.permanent, reason=fail.reason)
+        super().__init__(fail.reason, fail.message)
         self.said = said
 
 
@@ -77,54 +77,54 @@ def _nvml_fail(err: Exception, during: str) -> NvmlUnusable:
 def _nvml_fail_message(said: str, code: int | None) -> Fail:
     """An NVML error that stops the whole gate, as a Fail naming the fix."""
     if code == _LIBRARY_NOT_FOUND:
-        return permanent(
+        return Fail(
+            "gpu.no-driver",
             "GPU gate: no NVIDIA driver is installed: the NVML library libnvidia-ml.so.1 was not found "
             f"({said}). Install the driver, which ships it (Debian: `sudo apt install nvidia-driver` "
             "from non-free; Ubuntu: `sudo ubuntu-drivers install`, or `sudo apt install nvidia-utils-<branch>` "
             f"beside the kernel module), {CPU_ONLY}.",
-            reason="gpu.no-driver",
         )
     if code == _DRIVER_NOT_LOADED:
-        return permanent(
+        return Fail(
+            "gpu.driver-not-loaded",
             f"GPU gate: the NVIDIA kernel driver is not loaded ({said}). Load it with `sudo modprobe nvidia`; "
             "right after installing a driver, reboot. If it will not load, `sudo dmesg | grep -i nvidia` says "
             f"why (Secure Boot refusing an unsigned module is common), {CPU_ONLY}.",
-            reason="gpu.driver-not-loaded",
         )
     if code == _LIB_RM_VERSION_MISMATCH:
-        return permanent(
+        return Fail(
+            "gpu.driver-mismatch",
             f"GPU gate: driver/library version mismatch ({said}): the user-space NVML library and the loaded "
             "kernel module come from different driver versions, which is what a driver upgrade leaves until "
             "the next boot. Reboot (or reload the modules: `sudo rmmod nvidia_uvm nvidia_drm nvidia_modeset "
             "nvidia && sudo modprobe nvidia`).",
-            reason="gpu.driver-mismatch",
         )
     if code == _NO_PERMISSION:
-        return permanent(
+        return Fail(
+            "gpu.no-access",
             f"GPU gate: no permission to use the GPUs ({said}): this user cannot open /dev/nvidia*. "
             "`ls -l /dev/nvidia*` shows the owning group; add the user to it (usually "
             "`sudo usermod -aG video $USER`, then log in again) or run the worker as a user that has it; "
             "in a container, pass the devices in (the NVIDIA container toolkit).",
-            reason="gpu.no-access",
         )
     if code == _FUNCTION_NOT_FOUND:
-        return permanent(
+        return Fail(
+            "gpu.driver-too-old",
             f"GPU gate: the installed driver's NVML lacks a function nvidia-ml-py needs ({said}): the driver "
             "is older than this nvidia-ml-py. Upgrade the NVIDIA driver, or install an nvidia-ml-py "
             "whose major version matches the driver's CUDA version.",
-            reason="gpu.driver-too-old",
         )
     if code in (_NOT_READY, _TIMEOUT):
-        return transient(
+        return Fail(
+            "gpu.not-ready",
             f"GPU gate: NVML is not ready yet ({said}): the driver is still coming up (early in boot, or "
             "the fabric manager has not started). The next attempt may work; if it keeps failing, see "
             "`nvidia-smi` and `systemctl status nvidia-fabricmanager`.",
-            reason="gpu.not-ready",
         )
-    return permanent(
+    return Fail(
+        "gpu.nvml-failed",
         f"GPU gate: NVML failed ({said}). `nvidia-smi` shows the driver's own view of the problem; "
         f"fix the driver, {CPU_ONLY}.",
-        reason="gpu.nvml-failed",
     )
 
 
@@ -145,9 +145,9 @@ def survey(env: Mapping[str, str], driver_dir: str) -> Gpus:
         import pynvml
     except ImportError:  # a declared dependency, but a box of AMD GPUs does without it
         raise NvmlUnusable(
-            permanent(
+            Fail(
+                "gpu.nvml-module-missing",
                 f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {CPU_ONLY}.",
-                reason="gpu.nvml-module-missing",
             ),
             "the Python module pynvml is missing",
         ) from None

@@ -57,7 +57,7 @@ from prepare import build as build_mod
 from prepare import caches, human, proc
 from prepare import manifest as manifest_mod
 from prepare import variants as variants_mod
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail
 from prepare.fields import _arguments, store_urls
 from prepare.spec import PrepareSpec, SourceSpec
 
@@ -164,10 +164,10 @@ def publish(
         known = _flake_variants(session)
         missing = [v for v in variants if v not in known]
         if missing:
-            raise permanent(
+            raise Fail(
+                "publish.invalid",
                 f"--variant {', '.join(repr(v) for v in missing)}: not a variant of the flake {session.flake!r}, "
                 f"which has: {', '.join(sorted(known))}. Publish the variants the boxes pick (their libtorch)",
-                reason="publish.invalid",
             )
         session.step("fetch", f"training source {url}")
         fetched = session.nix.prefetch(
@@ -207,68 +207,67 @@ def publish(
 def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], str]:
     root = os.path.abspath(spec.source)
     if not os.path.isdir(root):
-        raise permanent(
-            f"the training source {spec.source!r} is not a directory: give the tree to publish",
-            reason="publish.invalid",
+        raise Fail(
+            "publish.invalid", f"the training source {spec.source!r} is not a directory: give the tree to publish"
         )
     if any(c.isspace() or not c.isprintable() for c in root):
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             f"the training source {root!r} contains whitespace or a control character, which Nix refuses in a URL: "
             "move or link it to a path without them",
-            reason="publish.invalid",
         )
     if any(c in "?#%" for c in root) and not os.path.exists(os.path.join(root, ".git")):
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             f"the training source {root!r} has a '?', '#' or '%' in its path: a `path:` URL would read it as a "
             "query or a fragment (Nix does not decode one), and the boxes would fetch another tree. Move or link "
             "it to a path without them, or publish it as a git checkout",
-            reason="publish.invalid",
         )
     for name, value, allow_dot in (("--bin", spec.bin, False), ("--cwd", spec.cwd, True)):
         _relative(name, value, allow_dot)
     variants = tuple(dict.fromkeys(v.strip() for v in spec.variants))
     if not variants or any(not v for v in variants):
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             "no --variant given: name each libtorch variant the boxes use (--variant cpu --variant cu128)",
-            reason="publish.invalid",
         )
     if "auto" in variants:
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             '--variant "auto" is a box\'s choice, made from its cards: publish the variants themselves '
             "(--variant cpu --variant cu128)",
-            reason="publish.invalid",
         )
     to = spec.to.strip()
     problem = store_urls([to])
     if problem:
-        raise permanent(f"--to {spec.to!r}: {problem}", reason="publish.invalid")
+        raise Fail("publish.invalid", f"--to {spec.to!r}: {problem}")
     key = spec.signing_key
     if not os.path.isfile(key) or not os.access(key, os.R_OK):
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             f"--signing-key {key!r} is not a readable file: give the secret key file the boxes' "
             "trusted_public_keys belong to (`nix key generate-secret --key-name NAME > FILE`, and "
             "`nix key convert-secret-to-public < FILE` for the boxes)",
-            reason="publish.invalid",
         )
     st = os.stat(key)
     if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
         # Whoever read it can sign anything every box runs as root.
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             f"--signing-key {key!r} can be read by other users (mode {stat.S_IMODE(st.st_mode):04o}): whoever has "
             "read it can sign paths every box trusts, and boxes run them as root. Treat it as leaked: make a new "
             f"key pair (`nix key generate-secret --key-name NAME > FILE`, `chmod 600 FILE`), give the boxes its "
             "public half (nix.trusted_public_keys) in place of the old one, and publish again",
-            reason="publish.invalid",
         )
     for flag, values in (("--smoke", spec.smoke), ("--arg", spec.args)):
         problem = None if values is None else _arguments(list(values))
         if problem is not None:
-            raise permanent(f"{flag}: {problem}", reason="publish.invalid")
+            raise Fail("publish.invalid", f"{flag}: {problem}")
     if (spec.commit or spec.push) and not os.path.exists(os.path.join(root, ".git")):
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             f"--commit/--push need a git checkout, and {root} is not one: drop them; boxes that fetch this "
             "directory see the manifest on their next attempt",
-            reason="publish.invalid",
         )
     if spec.push and not spec.commit:
         notes.append("--push commits the manifest first (--commit is implied)")
@@ -294,15 +293,14 @@ def _relative(name: str, value: str, allow_dot: bool) -> None:
     norm = posixpath.normpath(value.strip()) if value.strip() else ""
     if not norm or posixpath.isabs(norm) or norm == ".." or norm.startswith("../") or (norm == "." and not allow_dot):
         what = "a directory relative to the source root" if name == "--cwd" else "a name or a path relative to --cwd"
-        raise permanent(f"{name} {value!r} must be {what}, without '..'", reason="publish.invalid")
+        raise Fail("publish.invalid", f"{name} {value!r} must be {what}, without '..'")
 
 
 def _recipe(spec: PublishSpec, tree: str) -> manifest_mod.Recipe:
     cwd = posixpath.normpath(spec.cwd.strip())
     if not os.path.isdir(os.path.join(tree, cwd)):
-        raise permanent(
-            f"--cwd {spec.cwd!r} is not a directory of the training source (as fetched: {tree})",
-            reason="publish.invalid",
+        raise Fail(
+            "publish.invalid", f"--cwd {spec.cwd!r} is not a directory of the training source (as fetched: {tree})"
         )
     return manifest_mod.Recipe(
         bin=posixpath.normpath(spec.bin.strip()),
@@ -323,10 +321,10 @@ def _remove_manifest(path: str, notes: list[str]) -> None:
     except FileNotFoundError:
         return
     except OSError as err:
-        raise permanent(
+        raise Fail(
+            "publish.tree-unwritable",
             f"cannot remove the previous run manifest {path}: {human.oserror(err)}. It must go before anything is "
             "built, so no box runs it meanwhile: make the tree writable for this user",
-            reason="publish.tree-unwritable",
         ) from None
     run = previous.run if previous is not None and previous.run else "without a run id"
     notes.append(
@@ -356,9 +354,9 @@ def _variant(
     with _step(label, "build", timings):
         built = build_mod.build_outputs(session, variant, source, link=f"publish-{label}")
     if built.libtorch is None or built.bin is None:
-        raise permanent(
+        raise Fail(
+            "flake.contract-broken",
             f"variant {label}: the build made no training binary; the flake breaks the contract",
-            reason="flake.contract-broken",
         )
     training = os.path.dirname(os.path.dirname(built.bin.path))
     paths = [built.libtorch.path, training]
@@ -386,10 +384,9 @@ def _step(label: str, name: str, timings: dict[str, float]) -> Iterator[None]:
         raise
     except Fail as fail:
         raise _Step(
+            fail.reason,
             f"publish stopped at variant {label}, step {name}; no manifest was written, so boxes wait for the "
             f"next publish: {fail.message}",
-            permanent=fail.permanent,
-            reason=fail.reason,
         ) from None
     finally:
         timings[f"{label}.{name}"] = round(time.monotonic() - started, 4)
@@ -446,10 +443,10 @@ def _write_atomically(path: str, text: str) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        raise permanent(
+        raise Fail(
+            "publish.tree-unwritable",
             f"cannot write the run manifest {path}: {human.oserror(err)}; the outputs are in the cache, so a "
             "publish once the tree is writable only writes it",
-            reason="publish.tree-unwritable",
         ) from None
     finally:
         with contextlib.suppress(OSError):
@@ -469,15 +466,14 @@ def _git(root: str, *args: str, timeout: float = GIT_TIMEOUT_S) -> proc.Complete
     try:
         return proc.run(["git", "-C", root, *args], timeout=timeout)
     except proc.Missing:
-        raise permanent(
-            f"{root} is a git checkout but git is not installed: `sudo apt-get install git`",
-            reason="publish.git-missing",
+        raise Fail(
+            "publish.git-missing", f"{root} is a git checkout but git is not installed: `sudo apt-get install git`"
         ) from None
     except proc.ExecFailed as failed:
-        raise transient(f"git could not be started ({failed}); publish again", reason="publish.git-timeout") from None
+        raise Fail("publish.git-timeout", f"git could not be started ({failed}); publish again") from None
     except proc.TimedOut:
-        raise transient(
-            f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s", reason="publish.git-timeout"
+        raise Fail(
+            "publish.git-timeout", f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s"
         ) from None
 
 
@@ -489,16 +485,15 @@ def _git_rev(root: str, notes: list[str]) -> str | None:
         return None
     top = _git(root, "rev-parse", "--show-toplevel")
     if top.ok and os.path.realpath(top.stdout.strip()) != os.path.realpath(root):
-        raise permanent(
+        raise Fail(
+            "publish.invalid",
             f"{root} is inside the git checkout {top.stdout.strip()}: publish its top level (the manifest goes "
             "at the root boxes fetch) and name this directory with --cwd",
-            reason="publish.invalid",
         )
     head = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
     if not head.ok:
-        raise permanent(
-            f"{root} is a git checkout with no commit to publish: commit the training source first",
-            reason="publish.invalid",
+        raise Fail(
+            "publish.invalid", f"{root} is a git checkout with no commit to publish: commit the training source first"
         )
     rev = head.stdout.strip()
     dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
@@ -515,10 +510,10 @@ def _git_rev(root: str, notes: list[str]) -> str | None:
 def _same_head(root: str, rev: str) -> None:
     head = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
     if head.ok and head.stdout.strip() != rev:
-        raise transient(
+        raise Fail(
+            "publish.head-moved",
             f"HEAD of {root} moved from {rev[:12]} to {head.stdout.strip()[:12]} during the publish: a manifest "
             "on it would describe a tree that was not built. No manifest was written; publish again",
-            reason="publish.head-moved",
         )
 
 
@@ -547,11 +542,11 @@ def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tu
     # Only the manifest: the commit's tree is the built tree plus it.
     done = _git(root, "commit", "-q", "-m", message, "--", name) if added.ok else added
     if not done.ok:
-        raise permanent(
+        raise Fail(
+            "publish.git-failed",
             "the manifest is written but `git commit` failed: "
             f"{human.printable((done.stderr or done.stdout).strip()[-500:], lines=True)}. "
             f"Commit it by hand: {by_hand}",
-            reason="publish.git-failed",
         )
     commit = _git(root, "rev-parse", "HEAD").stdout.strip()
     if not spec.push:
@@ -562,10 +557,10 @@ def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tu
         )
     pushed = _git(root, "push", "-q", timeout=PUSH_TIMEOUT_S)
     if not pushed.ok:
-        raise transient(
+        raise Fail(
+            "publish.push-failed",
             f"the manifest is committed ({commit[:12]}) but `git push` failed: "
             f"{human.printable((pushed.stderr or pushed.stdout).strip()[-500:], lines=True)}. Push it: "
             f"{shlex.join(git + ['push'])}",
-            reason="publish.push-failed",
         )
     return commit, True, None

@@ -12,7 +12,7 @@ import posixpath
 import re
 from dataclasses import dataclass
 
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
 from prepare.spec import SshSpec
 
 SCHEME = "sshfs"
@@ -69,9 +69,7 @@ _GRAMMAR = "expected `sshfs://[user@]host[:port]/abs/path` (or the scp spelling 
 
 
 def _bad(value: str, why: str) -> Fail:
-    return permanent(
-        f"data_source {value!r} {why}; {_GRAMMAR}. Fix `data_source` (flag --data-source).", reason="config.invalid"
-    )
+    return Fail("config.invalid", f"data_source {value!r} {why}; {_GRAMMAR}. Fix `data_source` (flag --data-source).")
 
 
 def parse_source(value: str) -> Source:
@@ -94,23 +92,23 @@ def _scheme(value: str) -> tuple[str, str]:
         raise _bad(value, "is empty")
     if "://" not in text:
         if text.startswith(("/", "~", ".")):
-            raise permanent(
+            raise Fail(
+                "config.invalid",
                 f"data_source {value!r} is a path, not a source: a directory that is already "
                 f"there (provisioned, or mounted by another tool) goes in `data_path` "
                 f"(--data-path {text}); `data_source` is for a source fdl-prepare mounts, "
                 f"e.g. `sshfs://user@host:/flodl/data`.",
-                reason="config.invalid",
             )
         raise _bad(value, "names no scheme")
     scheme, rest = text.split("://", 1)
     if not scheme:
         raise _bad(value, "names no scheme")
     if scheme.lower() != SCHEME:
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"data_source {value!r} uses the scheme `{scheme}://`, which fdl-prepare does not "
             f"mount; it mounts `sshfs://` only. A source another tool already mounted needs no "
             f"scheme: name its local path in `data_path` instead, and drop `data_source`.",
-            reason="config.invalid",
         )
     return scheme, rest
 
@@ -133,13 +131,13 @@ def _user(value: str, scheme: str, authority: str, path: str) -> tuple[str | Non
         # message lands in journals; BatchMode could not type it anyway.
         name = user.split(":", 1)[0]
         shown = f"{scheme}://{name}:***@{authority}{path}"
-        raise permanent(
+        raise Fail(
+            "config.invalid",
             f"data_source {shown!r} carries a password in its user part (`{name}:...@`); "
             f"fdl-prepare does not send passwords (no prompt can be answered under systemd). "
             f"Authenticate with a key instead: drop `:password` from `data_source` (flag "
             f"--data-source) and set `ssh.identity_file` (flag --identity-file) to a private "
             f"key the data host accepts.",
-            reason="config.invalid",
         )
     return user, authority
 

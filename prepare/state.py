@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prepare import human
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
 
 # Our entries and their types: True for a directory, False for a file.
 # `gcroots` is made here, the rest when first written.
@@ -110,20 +110,20 @@ def _owner(uid: int) -> str:
 def _wrong_type(path: str, found: int, want_dir: bool, what: str) -> Fail:
     want = "a directory" if want_dir else "a file"
     remove = f"rm {path}" if stat.S_ISLNK(found) or not stat.S_ISDIR(found) else f"rm -r {path}"
-    return permanent(
+    return Fail(
+        "state.untrusted",
         f"{path}, the {what}, is {_kind(found)}, where fdl-prepare keeps {want}: it is not fdl-prepare's, and "
         f"root does not write through it. Look at it, then remove it (`{remove}`); the next attempt recreates it",
-        reason="state.untrusted",
     )
 
 
 def _not_owned(path: str, uid: int, what: str) -> Fail:
     me = human.user()
-    return permanent(
+    return Fail(
+        "state.untrusted",
         f"{path}, the {what}, is owned by {_owner(uid)}, not {me}, who runs fdl-prepare: whoever owns it could "
         f"point what is written there elsewhere. `sudo chown -R {me}: {path}` if it is yours to take, or set "
         "state_dir (--state-dir) to a directory of this user's",
-        reason="state.untrusted",
     )
 
 
@@ -178,11 +178,11 @@ def vet(state: str, origin: str, var: str) -> None:
 
         found = trust.doubt(state, final_dir=True)
         if found is not None:
-            raise permanent(
+            raise Fail(
+                "state.untrusted",
                 f"the state directory {state} (from {origin}) is not trusted: {found.path} {found.why}. Root "
                 f"writes, replaces and removes entries there, so only root may be able to change it. Fix: "
                 f"{found.fix}, or set {var} to a directory only root can write",
-                reason="state.untrusted",
             )
     try:
         fd = open_dir(state, f"state directory (from {origin})")
@@ -194,11 +194,11 @@ def vet(state: str, origin: str, var: str) -> None:
         # may be group-writable: with a umask of 002 (Ubuntu's for users)
         # that group is the user's own, and the directory is the user's.
         if mode & (stat.S_IWGRP | stat.S_IWOTH if os.geteuid() == 0 else stat.S_IWOTH):
-            raise permanent(
+            raise Fail(
+                "state.untrusted",
                 f"the state directory {state} (from {origin}) is writable by others than its owner (mode "
                 f"{stat.S_IMODE(mode):04o}): they could swap its entries for symlinks where root writes and "
                 f"removes. `sudo chmod go-w {state}`, or set {var} to a directory of this user's",
-                reason="state.untrusted",
             )
         _vet_entries(state, fd)
     except OSError as err:
@@ -225,10 +225,10 @@ def _refuse_system(state: str, origin: str, var: str) -> None:
         if mount is not None and mount.fstype in PSEUDO_FS:
             why = f"is on a {mount.fstype} file system (mounted at {mount.mount_point}), the kernel's view of itself"
     if why is not None:
-        raise permanent(
+        raise Fail(
+            "state.untrusted",
             f"the state directory {state} (from {origin}) {why}: no place for fdl-prepare's GC roots, lock and "
             f"records. Set {var} to a directory of its own (the default for root is /var/lib/fdl-prepare)",
-            reason="state.untrusted",
         )
 
 
@@ -237,12 +237,12 @@ def _vet_entries(state: str, fd: int) -> None:
     strays = [n for n in names if n not in ENTRIES and n not in OTHER_ENTRIES and not _TMP_NAME.fullmatch(n)]
     if strays:
         shown = ", ".join(sorted(strays)[:8]) + (f" and {len(strays) - 8} more" if len(strays) > 8 else "")
-        raise permanent(
+        raise Fail(
+            "state.untrusted",
             f"the state directory {state} holds entries fdl-prepare did not make ({shown}): it is not fdl-prepare's "
             f"directory, and root must not write, replace or remove in someone else's. Point state_dir "
             f"(--state-dir) at a directory of its own (a new or empty one; root's default is "
             f"/var/lib/fdl-prepare), or move those entries out",
-            reason="state.untrusted",
         )
     for name in names:
         if _TMP_NAME.fullmatch(name):
@@ -276,11 +276,11 @@ def recipe_strays(path: str, state_fd: int) -> None:
         strays = sorted(n for n in os.listdir(fd) if n != RECIPE_FILE)
     if strays:
         shown = ", ".join(strays[:8]) + (f" and {len(strays) - 8} more" if len(strays) > 8 else "")
-        raise permanent(
+        raise Fail(
+            "state.untrusted",
             f"{path}, the state directory's recipe directory, holds what fdl-prepare never writes there ({shown}): "
             "it is not fdl-prepare's, and nothing in it is removed. Look at it, then move it away; or point "
             "state_dir (--state-dir) at a directory of fdl-prepare's own",
-            reason="state.untrusted",
         )
 
 

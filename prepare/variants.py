@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
 
 if TYPE_CHECKING:
     from prepare.amd import AmdDevice
@@ -133,11 +133,11 @@ def parse_variants(raw: Any, flake: str) -> dict[str, Variant]:
     """The JSON of `fdl.variants` -> label -> Variant. A shape that does not
     follow the contract is the flake's fault and will not fix itself."""
     if not isinstance(raw, Mapping) or not raw:
-        raise permanent(
+        raise Fail(
+            "flake.contract-broken",
             f"the flake {flake!r} lists no libtorch variants (fdl.variants is {raw!r}); "
             "it does not follow the fdl-prepare flake contract (nix/CONTRACT.md): fix the flake "
             "or point `flake` (--flake) at one that does",
-            reason="flake.contract-broken",
         )
     out: dict[str, Variant] = {}
     for key, meta in raw.items():
@@ -157,11 +157,11 @@ def parse_variants(raw: Any, flake: str) -> dict[str, Variant]:
             if vendor == NVIDIA and cuda is None:
                 raise ValueError('vendor "nvidia" needs a cuda version')
         except ValueError as bad:
-            raise permanent(
+            raise Fail(
+                "flake.contract-broken",
                 f"the flake {flake!r} has malformed metadata for libtorch variant {key!r}: {bad}; "
                 'each variant needs label, cuda ("12.8" or null) and archs (["8.6", "9.0+PTX", ...]), and a ROCm '
                 'one vendor = "amd", rocm ("7.0") and gfx (["gfx942", ...]), as nix/CONTRACT.md describes: fix the flake',
-                reason="flake.contract-broken",
             ) from None
         out[str(key)] = Variant(label=label, cuda=cuda, archs=archs, vendor=vendor, gfx=gfx, rocm=rocm)
     return out
@@ -234,11 +234,11 @@ def choose(
     wanted = AUTO if requested is None else requested.strip()
     if cpu_only:
         if wanted not in (AUTO, CPU):
-            raise permanent(
+            raise Fail(
+                "config.invalid",
                 f"libtorch = {wanted!r} needs a GPU, but cpu_only is set (--cpu-only), which allows only "
                 f'the {CPU!r} variant: set libtorch = "{CPU}" (--libtorch {CPU}) or "auto", or drop '
                 "cpu_only (--no-cpu-only) on a box with a GPU",
-                reason="config.invalid",
             )
         wanted = CPU
     if wanted == AUTO:
@@ -246,10 +246,10 @@ def choose(
         notes.append(f"libtorch auto: picked {variant.label} ({why})")
     else:
         if wanted not in variants:
-            raise permanent(
+            raise Fail(
+                "libtorch.unknown-variant",
                 f"libtorch = {wanted!r} is not a variant of the flake {flake!r}; it has: {_listing(variants)}. "
                 'Set libtorch (--libtorch) to one of those or to "auto", or add the variant by overriding the flake',
-                reason="libtorch.unknown-variant",
             )
         variant = variants[wanted]
     check_coverage(variant, gpus, variants)
@@ -271,10 +271,10 @@ def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> tup
     nvidia, amd = _offered(gpus), _amd_offered(gpus)
     if gpus is None or (not nvidia and not amd):
         if CPU not in variants:
-            raise permanent(
+            raise Fail(
+                "libtorch.no-variant",
                 f'libtorch = "auto" on a box with no GPU needs a {CPU!r} variant, and the flake {flake!r} has '
                 f"none (it has: {_listing(variants)}): set libtorch (--libtorch) to one of those or fix the flake",
-                reason="libtorch.no-variant",
             )
         return variants[CPU], "no GPU offered"
     if not amd:
@@ -303,10 +303,10 @@ def _auto(variants: Mapping[str, Variant], gpus: Gpus | None, flake: str) -> tup
         try:
             variant, why = pick(second)
         except Fail as also:
-            raise permanent(
+            raise Fail(
+                "libtorch.no-variant",
                 f'libtorch = "auto" found no variant for either vendor on this box. {name[first]}: '
                 f"{missed.message}. {name[second]}: {also.message}",
-                reason="libtorch.no-variant",
             ) from None
         return variant, f"{why}; {mixed}, and no variant serves the {name[first]} ones"
     reason = "more of them" if count[first] != count[second] else "as many, and NVIDIA wins a tie"
@@ -331,12 +331,12 @@ def _auto_cuda(variants: Mapping[str, Variant], gpus: Gpus, flake: str) -> Varia
         reason = f"the driver supports CUDA up to {_cap_text(driver)}, older than every CUDA variant"
     else:
         reason = "no variant the driver can run has kernels for every offered card"
-    raise permanent(
+    raise Fail(
+        "libtorch.no-variant",
         f'libtorch = "auto" found no variant for this box: {reason}. Offered: {cards}. '
         f"Variants of the flake {flake!r}: {_listing(variants)}. Fix: update the NVIDIA driver, "
         "offer only covered cards with devices (--devices), or set libtorch (--libtorch) explicitly "
         "(add a variant for these cards by overriding the flake)",
-        reason="libtorch.no-variant",
     )
 
 
@@ -352,12 +352,12 @@ def _auto_rocm(variants: Mapping[str, Variant], gpus: Gpus, flake: str) -> Varia
         reason = 'the flake has no ROCm variant (vendor = "amd")'
     else:
         reason = "no ROCm variant has kernels for every offered card"
-    raise permanent(
+    raise Fail(
+        "libtorch.no-variant",
         f'libtorch = "auto" found no variant for this box: {reason}. Offered: {cards}. '
         f"Variants of the flake {flake!r}: {_listing(variants)}. Fix: offer only covered cards with devices "
         "(--devices) or ROCR_VISIBLE_DEVICES, or add a ROCm variant built for these targets by overriding the "
         'flake (nix/CONTRACT.md, "Adding a variant"), or, for a CPU-only worker, pass --cpu-only',
-        reason="libtorch.no-variant",
     )
 
 
@@ -403,10 +403,10 @@ def check_coverage(variant: Variant, gpus: Gpus | None, variants: Mapping[str, V
             "pick another variant (libtorch / --libtorch), or add one built for these cards by "
             "overriding the flake (e.g. a cu126 build for Pascal/Volta)"
         )
-    raise permanent(
+    raise Fail(
+        "libtorch.arch-uncovered",
         f"libtorch {variant.label} ships no kernel for {cards}: its CUDA archs are {variant.archs_text}. "
         f"Nothing was downloaded. Fix: {'; or '.join(fixes)}",
-        reason="libtorch.arch-uncovered",
     )
 
 
@@ -437,10 +437,10 @@ def _check_gfx(variant: Variant, offered: Sequence[AmdDevice], variants: Mapping
             "pick another variant (libtorch / --libtorch), or add a ROCm build for these targets by "
             'overriding the flake (nix/CONTRACT.md, "Adding a variant")'
         )
-    raise permanent(
+    raise Fail(
+        "libtorch.arch-uncovered",
         f"libtorch {variant.label} ships no kernel for {cards}: its ROCm gfx targets are {variant.gfx_text}, and "
         f"an AMD GPU runs only kernels built for its own target. Nothing was downloaded. Fix: {'; or '.join(fixes)}",
-        reason="libtorch.arch-uncovered",
     )
 
 
@@ -463,11 +463,11 @@ def _refuse_other_vendor(variant: Variant, gpus: Gpus | None, variants: Mapping[
         if own
         else f"(the flake has no {want} variant)"
     )
-    raise permanent(
+    raise Fail(
+        "libtorch.wrong-vendor",
         f"libtorch {variant.label} is a {variant.runtime} build, but this box offers {have} GPUs only ({cards}): "
         f'it cannot run on them. Set libtorch = "auto" (--libtorch auto) {pick}, or pass --cpu-only on a '
         "CPU-only worker",
-        reason="libtorch.wrong-vendor",
     )
 
 
