@@ -69,7 +69,18 @@ python3Packages.buildPythonApplication {
     flakeRef
   ];
 
-  pythonImportsCheck = [ "prepare" ];
+  # Every subpackage: one that setuptools left out of the wheel fails here.
+  pythonImportsCheck = [
+    "prepare"
+    "prepare.build"
+    "prepare.cli"
+    "prepare.config"
+    "prepare.data"
+    "prepare.gpu"
+    "prepare.host"
+    "prepare.nix"
+    "prepare.publish"
+  ];
 
   meta = {
     description = pyproject.project.description;

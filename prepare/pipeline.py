@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from prepare.spec import Prepared, PrepareSpec
 
 if TYPE_CHECKING:
-    from prepare.progress import Progress
+    from prepare.cli.progress import Progress
 
 
 @contextmanager
@@ -44,7 +44,10 @@ def _timed(timings: dict[str, float], step: str) -> Iterator[None]:
 def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = None) -> Prepared:
     """Run the pipeline once. Every step is idempotent, so a retry loop
     around this call is a provisioning loop: call it on every attempt."""
-    from prepare import config, data, dirs, gate
+    from prepare import config
+    from prepare.data import root as data
+    from prepare.gpu import gate
+    from prepare.host import dirs
 
     # The checked spec, not the caller's: its values are in their normal
     # form (no spaces around a URL that reaches nix).
@@ -60,7 +63,7 @@ def prepare(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = 
     built = None
     variant = None
     if spec.wants_build:
-        from prepare import build
+        from prepare.build import steps as build
 
         # The spec's flake and source are checked before the first nix call;
         # then the state directory, Nix's version, and the state lock, held

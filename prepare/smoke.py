@@ -11,7 +11,7 @@ smoke`, outranked by the run manifest's, since the publisher knows what its
 binary takes); an empty list, or none, runs nothing. The binary starts in
 its run's cwd (a read-only store path), as the training would: never as
 root, with no capabilities, a clean environment and everything it starts
-stopped when it ends (prepare.confine, `smoke_user`), and is killed at
+stopped when it ends (prepare.host.confine, `smoke_user`), and is killed at
 `smoke_timeout` (`--smoke-timeout`). What it prints is kept to its last
 OUTPUT_BYTES, whatever it prints, and a message quotes its last lines.
 
@@ -30,8 +30,8 @@ import shlex
 import time
 from collections.abc import Sequence
 
-from prepare import confine, human, proc
 from prepare.fail import Fail
+from prepare.host import confine, human, proc
 from prepare.spec import Binary
 
 DEFAULT_TIMEOUT_S = 60.0

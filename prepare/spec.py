@@ -100,7 +100,7 @@ class PrepareSpec:
     expect_gpus: int | None = None
     cpu_only: bool = False
     # Where the host's NVIDIA libraries are linked for Nix-built programs on
-    # a box that is not NixOS (prepare.driver_dir): the path nixpkgs'
+    # a box that is not NixOS (prepare.gpu.driver_dir): the path nixpkgs'
     # addDriverRunpath bakes into them.
     driver_dir: str = "/run/opengl-driver/lib"
     flake: str | None = None
@@ -113,7 +113,7 @@ class PrepareSpec:
     build_timeout_s: float | None = None
     # The smoke run is stopped after this many seconds (transient).
     smoke_timeout_s: float = 60.0
-    # Who the smoke run runs as when fdl-prepare is root (prepare.confine):
+    # Who the smoke run runs as when fdl-prepare is root (prepare.host.confine):
     # never root, the training source's code is not the operator's.
     smoke_user: str = "nobody"
     # Ignore what earlier attempts settled (<state>/warm.json): evaluate the

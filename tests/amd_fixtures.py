@@ -1,7 +1,7 @@
 """Fake AMD boxes, put where the product reads a real one: the KFD topology
 and DRM class the amdgpu driver publishes, bind-mounted over /sys/class/kfd
 and /sys/class/drm, and /dev/kfd and /dev/dri/renderD* as real device nodes,
-in a private mount namespace of a child process. prepare/amd.py has no
+in a private mount namespace of a child process. prepare/gpu/amd.py has no
 test-only switch: the child imports the package and reads the same paths it
 reads on a real box.
 
@@ -261,7 +261,7 @@ class AmdBox:
     def gate(self, env: Mapping[str, str] | None = None, uid: int | None = None, **spec: object) -> dict:
         code = (
             "import json\n"
-            "from prepare import gate\n"
+            "from prepare.gpu import gate\n"
             "from prepare.fail import Fail\n"
             "from prepare.spec import PrepareSpec\n"
             "notes = []\n"

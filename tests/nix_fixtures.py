@@ -545,7 +545,7 @@ def nix_daemon_client(
     `private_socket` puts the socket in a directory only root may enter, so
     the kernel refuses that user's connect. Yields (runner, flake directory);
     skips without root, nix-daemon or setpriv."""
-    from prepare.nix import Nix
+    from prepare.nix.runner import Nix
 
     if os.geteuid() != 0:
         pytest.skip("needs root (a daemon, and a client as another user)")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, require_nix, trainer, valid_path
 
-from prepare import build as build_mod
-from prepare import nix_urls
+from prepare.build import steps as build_mod
 from prepare.fail import Fail
+from prepare.nix import urls
 from prepare.spec import PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
@@ -166,7 +166,7 @@ def test_a_variant_not_covering_the_fake_nvml_card_fails_before_any_fetch(
 def test_auto_picks_cu128_for_an_ampere_box_and_cpu_for_cpu_only(nix_env, test_flake, state_dir, nvml_box):
     from nvml_fixtures import ampere_pair
 
-    from prepare import gate
+    from prepare.gpu import gate
 
     nvml_box(ampere_pair())
     s = spec(test_flake, state_dir, libtorch="auto", cpu_only=False)
@@ -615,7 +615,7 @@ def test_check_flake_url_takes_the_flakes_the_runner_is_given():
         "git+file:///srv/fdl?ref=main&dir=tests/flake",
         "/srv/fdl-prepare",
     ):
-        assert nix_urls.check_flake_url(f"  {url} ") == url
+        assert urls.check_flake_url(f"  {url} ") == url
 
 
 # -- the state directory: where it came from ---------------------------------------------
@@ -848,7 +848,7 @@ def test_a_manifest_cwd_that_is_a_symlink_out_of_the_tree_stops_the_box(nix_env,
 
 BUILD_LOG_RSS = """
 import json, resource, sys
-from prepare import build as build_mod
+from prepare.build import steps as build_mod
 from prepare.fail import Fail
 from prepare.spec import PrepareSpec, SourceSpec
 spec = PrepareSpec(source=SourceSpec(from_=sys.argv[1]), libtorch="cpu", cpu_only=True, flake=sys.argv[2],

@@ -12,9 +12,10 @@ import json
 
 import pytest
 
-from prepare import caches, config
+from prepare import config
 from prepare.fail import Fail
-from prepare.nix_log import Log
+from prepare.nix import caches
+from prepare.nix.log import Log
 from prepare.spec import NixSpec, PrepareSpec
 
 CACHE = "http://127.0.0.1:8080"

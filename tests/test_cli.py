@@ -133,7 +133,7 @@ def broken(*args, **kwargs):
     raise RuntimeError("a bug stood in for by this test")
 
 prepare.pipeline.prepare = broken
-from prepare.cli import main
+from prepare.cli.app import main
 main(sys.argv[1:])
 """
 
@@ -141,7 +141,7 @@ main(sys.argv[1:])
 def test_an_unexpected_exception_exits_70_with_its_traceback_not_1(box: dict[str, str]) -> None:
     import sys
 
-    from prepare.cli import EXIT_SOFTWARE
+    from prepare.cli.app import EXIT_SOFTWARE
 
     done = subprocess.run(
         [sys.executable, "-c", _BUG, "--cpu-only"], env=box, capture_output=True, text=True, timeout=60

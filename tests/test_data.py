@@ -25,10 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from prepare import data, listing, locks, mount, mounts, sshfs_url
+from prepare.data import listing, mount
+from prepare.data import root as data
+from prepare.data import url as sshfs_url
+from prepare.data.url import Source, parse_source, sshfs_argv
 from prepare.fail import Fail
+from prepare.host import locks, mounts
 from prepare.spec import DataSpec, PrepareSpec, SshSpec
-from prepare.sshfs_url import Source, parse_source, sshfs_argv
 
 pytestmark = pytest.mark.usefixtures("forget_mount_locks")
 
@@ -364,7 +367,7 @@ def _ensure_root_without_dac_override(spec: str) -> tuple[str, str]:
     child that is root without the capabilities overriding permissions, so
     the kernel's own EACCES is met; return the Fail's kind and message."""
     code = (
-        "from prepare import data\n"
+        "from prepare.data import root as data\n"
         "from prepare.spec import DataSpec, PrepareSpec, SshSpec\n"
         "from prepare.fail import Fail\n"
         f"spec = {spec}\n"

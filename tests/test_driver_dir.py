@@ -17,7 +17,7 @@ import pytest
 from driver_fixtures import DriverHost
 from nvml_fixtures import FakeGpu, host_has_nvml, no_driver_env
 
-from prepare import driver_dir
+from prepare.gpu import driver_dir
 
 DEFAULT = "/run/opengl-driver/lib"
 REPO = Path(__file__).resolve().parent.parent
@@ -244,7 +244,7 @@ def test_the_gate_keeps_the_directory_then_surveys_nvml(driver_host, fake_nvml, 
     where = tmp_path / "driver"
     code = (
         "import json\n"
-        "from prepare import gate\n"
+        "from prepare.gpu import gate\n"
         "from prepare.spec import PrepareSpec\n"
         "notes = []\n"
         f"gpus = gate.check(PrepareSpec(driver_dir={str(where)!r}), notes)\n"
@@ -270,7 +270,7 @@ def test_nvml_is_found_in_the_driver_directory_when_the_loader_finds_none(fake_n
     where.mkdir()
     code = (
         "import json, sys\n"
-        "from prepare import gate\n"
+        "from prepare.gpu import gate\n"
         "from prepare.fail import Fail\n"
         "try:\n"
         "    print(json.dumps(list(gate.survey(driver_dir=sys.argv[1]).offered_indices)))\n"

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from prepare import cli, config
+from prepare import config
+from prepare.cli import app as cli
+from prepare.config.fields import FIELDS, SECONDS, TABLE, Env, Field, Table, nest, value_at
 from prepare.fail import Fail
-from prepare.fields import FIELDS, SECONDS, TABLE, Env, Field, Table, nest, value_at
 from prepare.spec import PrepareSpec, SourceSpec
 
 PACKAGE = Path(config.__file__).resolve().parent
@@ -117,7 +118,7 @@ def _code_strings_and_names(path: Path) -> tuple[set[str], set[str]]:
 
 
 def test_the_config_names_no_key_flag_or_parameter_of_its_own():
-    strings, names = _code_strings_and_names(PACKAGE / "config.py")
+    strings, names = _code_strings_and_names(PACKAGE / "file.py")
     for f in FIELDS:
         assert {f.key, f.name, f"join.{f.key}", f.flag} & strings == set(), f.key
         assert f.param not in names, f.key
@@ -125,7 +126,7 @@ def test_the_config_names_no_key_flag_or_parameter_of_its_own():
 
 def test_the_cli_declares_no_option_for_a_field_of_its_own():
     # Its messages and summary may still say "--cpu-only" or "libtorch" in passing.
-    strings, names = _code_strings_and_names(PACKAGE / "cli.py")
+    strings, names = _code_strings_and_names(PACKAGE.parent / "cli" / "app.py")
     for f in FIELDS:
         assert f.flag not in strings and f"{f.flag}/--no-{f.flag[2:]}" not in strings, f.flag
         assert f.param not in names, f.param

@@ -21,12 +21,12 @@ from console import console_script
 from fleet_fixtures import built, substituted
 from nix_fixtures import NIX_CONFIG, nix_daemon_client, procs_with, trainer
 
-from prepare import manifest as manifest_mod
-from prepare import nix as nix_mod
-from prepare.build import build
+from prepare.build import manifest as manifest_mod
+from prepare.build.steps import build
 from prepare.fail import Fail
-from prepare.nix import Nix
-from prepare.publish import PublishSpec, publish
+from prepare.nix import runner as nix_mod
+from prepare.nix.runner import Nix
+from prepare.publish.steps import PublishSpec, publish
 from prepare.spec import NixSpec, PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix

@@ -22,10 +22,13 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepare import config, manifest, nix_urls, sshfs_url
+from prepare import config
+from prepare.build import manifest
+from prepare.config.fields import TABLE
+from prepare.data import url as sshfs_url
 from prepare.fail import Fail
-from prepare.fields import TABLE
-from prepare.redact import credentials
+from prepare.host.redact import credentials
+from prepare.nix import urls
 from prepare.spec import DataSpec, NixSpec, PrepareSpec, SourceSpec, SshSpec
 
 # The budget per property.
@@ -273,7 +276,7 @@ FLAKE_URLS = st.builds(
 @given(st.one_of(FLAKE_URLS, TEXT))
 def test_any_source_from_is_a_pinned_safe_url_or_a_permanent_fail_naming_source_from(value: str) -> None:
     try:
-        url = nix_urls.check_source_url(value)
+        url = urls.check_source_url(value)
     except Fail as fail:
         assert fail.permanent and "source.from" in fail.message
         # A credential in the value's user-info is never quoted back.
@@ -288,7 +291,7 @@ def test_any_source_from_is_a_pinned_safe_url_or_a_permanent_fail_naming_source_
 @given(st.one_of(FLAKE_URLS, TEXT))
 def test_any_flake_is_a_safe_url_or_a_permanent_fail_naming_flake(value: str) -> None:
     try:
-        url = nix_urls.check_flake_url(value)
+        url = urls.check_flake_url(value)
     except Fail as fail:
         assert fail.permanent and "flake" in fail.message
         assert credentials(value) is None or "tok@" not in fail.message

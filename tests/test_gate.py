@@ -27,8 +27,9 @@ from nvml_fixtures import (
     pascal_card,
 )
 
-from prepare import gate, gpu_table, nvml
 from prepare.fail import Fail
+from prepare.gpu import gate, nvml
+from prepare.gpu import table as gpu_table
 from prepare.spec import PrepareSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -226,7 +227,7 @@ def test_a_box_without_any_driver_is_told_which_package_to_install():
     if host_has_nvml():
         pytest.skip("this host has a real libnvidia-ml.so.1 on the default search path")
     code = (
-        "import json\nfrom prepare import gate\nfrom prepare.spec import PrepareSpec\nfrom prepare.fail import Fail\n"
+        "import json\nfrom prepare.gpu import gate\nfrom prepare.spec import PrepareSpec\nfrom prepare.fail import Fail\n"
         "try:\n    gate.check(PrepareSpec(), [])\n    print(json.dumps({'kind': None}))\n"
         "except Fail as f:\n    print(json.dumps({'kind': f.kind, 'message': f.message}))\n"
     )
@@ -239,7 +240,7 @@ def test_a_box_without_any_driver_is_told_which_package_to_install():
 
 def test_a_subprocess_finds_the_fake_through_ld_library_path(fake_nvml):
     box = fake_nvml.box(pascal_card())
-    code = "import json\nfrom prepare import gate\nprint(json.dumps(gate.survey().to_json()))\n"
+    code = "import json\nfrom prepare.gpu import gate\nprint(json.dumps(gate.survey().to_json()))\n"
     out = run_python(code, box.env(no_driver_env()))
     assert [(d["name"], d["capability"]) for d in out["devices"]] == [("NVIDIA GeForce GTX 1080 Ti", "6.1")]
     assert box.calls() == ["init 0", "shutdown 0"]
@@ -258,7 +259,7 @@ def test_cpu_only_never_touches_nvml(nvml_box):
 
 def test_cpu_only_passes_on_a_box_with_no_driver_and_never_imports_pynvml():
     code = (
-        "import json, sys\nfrom prepare import gate\nfrom prepare.spec import PrepareSpec\n"
+        "import json, sys\nfrom prepare.gpu import gate\nfrom prepare.spec import PrepareSpec\n"
         "notes = []\nresult = gate.check(PrepareSpec(cpu_only=True), notes)\n"
         "print(json.dumps({'result': result, 'notes': notes, 'pynvml': 'pynvml' in sys.modules}))\n"
     )
@@ -270,7 +271,7 @@ def test_cpu_only_passes_on_a_box_with_no_driver_and_never_imports_pynvml():
 
 def test_importing_prepare_does_not_import_pynvml():
     out = run_python(
-        "import json, sys\nimport prepare, prepare.gate, prepare.pipeline\nprint(json.dumps('pynvml' in sys.modules))\n",
+        "import json, sys\nimport prepare, prepare.gpu.gate, prepare.pipeline\nprint(json.dumps('pynvml' in sys.modules))\n",
         no_driver_env(),
     )
     assert out is False

@@ -26,8 +26,8 @@ from nvml_fixtures import (
     no_driver_env,
 )
 
-from prepare import gate
 from prepare.fail import Fail
+from prepare.gpu import gate
 from prepare.pipeline import prepare
 from prepare.spec import PrepareSpec
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from prepare import locks
 from prepare.fail import Fail
+from prepare.host import locks
 
 
 def _unopenable(err: OSError) -> Fail:

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 from nix_fixtures import NIX_CONFIG, nix_as, require_nix, trainer
 
-from prepare import nix as nix_mod
-from prepare.build import build
+from prepare.build.steps import build
 from prepare.fail import Fail
-from prepare.nix import Nix, parse_nix_version
-from prepare.nix_diagnosis import BUILD, EVALUATION, FETCH, diagnose, failure
-from prepare.nix_log import Log
+from prepare.nix import runner as nix_mod
+from prepare.nix.diagnosis import BUILD, EVALUATION, FETCH, diagnose, failure
+from prepare.nix.log import Log
+from prepare.nix.runner import Nix, parse_nix_version
 from prepare.spec import PrepareSpec, SourceSpec
 
 

@@ -18,10 +18,10 @@ import nix_fixtures
 import pytest
 from nix_fixtures import NIX_CONFIG, SANDBOX_LENT, nix_daemon_client, sandbox_paths, trainer
 
-from prepare import nix as nix_mod
-from prepare.build import build
+from prepare.build.steps import build
 from prepare.fail import Fail
-from prepare.nix import Nix, build_result
+from prepare.nix import runner as nix_mod
+from prepare.nix.runner import Nix, build_result
 from prepare.spec import PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
@@ -105,7 +105,7 @@ def test_an_enterable_stage_is_left_as_it_is():
 # hidden by them.
 _NO_ENTERABLE_TMP = """
 import os, subprocess, sys
-from prepare import nix
+from prepare.nix import runner as nix
 from prepare.fail import Fail
 for d in ("/tmp", "/var/tmp"):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "tmpfs", d], check=True)
@@ -126,7 +126,7 @@ def test_a_box_where_no_temporary_directory_is_enterable_is_refused_before_any_b
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _NO_ENTERABLE_TMP],
         capture_output=True, text=True, timeout=60, check=False,
-        env={**os.environ, "PYTHONPATH": str(Path(nix_mod.__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(nix_mod.__file__).resolve().parents[2])},
     )  # fmt: skip
     if done.returncode != 0 and "mount" in done.stderr:
         pytest.skip(f"cannot make a private mount namespace here: {done.stderr.strip()[-300:]}")

@@ -80,7 +80,7 @@ def test_a_well_formed_cpu_only_spec_runs_the_cheap_steps_in_order(box: Path) ->
 def test_a_spec_from_code_with_cpu_only_and_a_cuda_libtorch_is_refused_before_any_step_runs(
     box: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prepare import build
+    from prepare.build import steps as build
 
     builds: list[PrepareSpec] = []
     monkeypatch.setattr(build, "build", lambda spec, *args, **kwargs: builds.append(spec))
@@ -99,7 +99,7 @@ def test_a_spec_from_code_with_cpu_only_and_a_cuda_libtorch_is_refused_before_an
 def test_a_source_url_from_code_reaches_the_build_without_surrounding_spaces(
     box: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prepare import build
+    from prepare.build import steps as build
 
     builds: list[PrepareSpec] = []
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from nix_fixtures import trainer
 
-from prepare import progress
-from prepare.build import build
+from prepare.build.steps import build
+from prepare.cli import progress
 from prepare.spec import PrepareSpec, SourceSpec
 
 EVENTS = [

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from prepare import nix_diagnosis
 from prepare.fail import PERMANENT, REASONS, TRANSIENT, Fail, Reason
+from prepare.nix import diagnosis as nix_diagnosis
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "prepare"

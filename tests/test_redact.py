@@ -1,4 +1,4 @@
-"""No secret goes out (prepare/redact.py): a credential in a URL is refused
+"""No secret goes out (prepare/host/redact.py): a credential in a URL is refused
 in the box's own settings before it can reach a command line, and hidden in
 everything fdl-prepare prints, whoever wrote the text; key material pasted
 where a key's path belongs is never quoted back."""
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from console import fdl_prepare
 
-from prepare import config, progress
+from prepare import config
+from prepare.cli import progress
 from prepare.fail import Fail
+from prepare.host.redact import credentials, redact
 from prepare.notes import print_notes
-from prepare.redact import credentials, redact
 
 TOKEN = "ghp_s3cr3tT0ken"
 
@@ -168,7 +169,7 @@ def test_a_credential_nix_itself_quotes_from_a_flakes_own_input_is_hidden(nix_en
             "outputs = { self, private }: { }; }\n"
         )
     )
-    from prepare import build as build_mod
+    from prepare.build import steps as build_mod
     from prepare.spec import PrepareSpec
 
     events = io.StringIO()

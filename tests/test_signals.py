@@ -1,5 +1,5 @@
 """Children die with fdl-prepare, even on SIGKILL, when no handler of ours
-runs (prepare/proc.py asks the kernel for PR_SET_PDEATHSIG in each child).
+runs (prepare/host/proc.py asks the kernel for PR_SET_PDEATHSIG in each child).
 SIGINT and SIGTERM are in tests/test_cli.py and tests/test_build.py."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
 
-from prepare import proc
+from prepare.host import proc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def _wait_gone(text: str, seconds: float) -> bool:
 
 def test_a_child_dies_when_its_caller_is_sigkilled(tmp_path):
     marker = f"{time.time_ns() % 100000 + 300}.{os.getpid()}"
-    code = f"from prepare import proc\nproc.run(['sleep', '{marker}'])\n"
+    code = f"from prepare.host import proc\nproc.run(['sleep', '{marker}'])\n"
     caller = subprocess.Popen([sys.executable, "-c", code], cwd=str(REPO))
     try:
         deadline = time.monotonic() + 30
@@ -59,7 +59,7 @@ def test_a_child_dies_when_its_caller_is_sigkilled(tmp_path):
 def test_a_sigkilled_prepare_leaves_no_nix_to_rewrite_the_out_links(nix_env, test_flake, state_dir, git_source):
     # The issue's case: fdl-prepare SIGKILLed mid-build orphaned nix, which
     # later rewrote the out-links with the state lock long released.
-    from prepare import build as build_mod
+    from prepare.build import steps as build_mod
     from prepare.spec import PrepareSpec, SourceSpec
 
     src = git_source(trainer())

@@ -527,7 +527,7 @@ def test_the_manifests_smoke_outranks_the_boxs_and_an_empty_one_runs_nothing(
 
 
 def test_a_manifests_smoke_is_a_list_of_strings_and_a_bad_one_waits_for_the_next_publish():
-    from prepare import manifest
+    from prepare.build import manifest
 
     assert manifest.parse('bin = "train"\nsmoke = ["--smoke", "--steps", "1"]\n').smoke == ("--smoke", "--steps", "1")
     with pytest.raises(Fail) as failed:
@@ -537,7 +537,7 @@ def test_a_manifests_smoke_is_a_list_of_strings_and_a_bad_one_waits_for_the_next
 
 
 def test_the_recipe_takes_the_manifests_smoke_else_the_boxs():
-    from prepare import manifest
+    from prepare.build import manifest
 
     box = SourceSpec(from_="path:/x", bin="train", smoke=("--box",))
     assert manifest.merge(box, manifest.parse("smoke = []\n"), "path:/x").smoke == ()

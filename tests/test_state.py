@@ -1,4 +1,4 @@
-"""The state directory root writes and removes in (prepare/state.py): every
+"""The state directory root writes and removes in (prepare/host/state.py): every
 entry of ours is opened without following a link, is of the type we keep
 and is owned by this user, and anything else is a permanent Fail naming the
 entry and the fix, before anything is written. Real directories, links and
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from prepare import build as build_mod
-from prepare import outputs, state
+from prepare.build import outputs
+from prepare.build import steps as build_mod
 from prepare.fail import Fail
+from prepare.host import state
 from prepare.spec import PrepareSpec
 
 
@@ -77,7 +78,7 @@ def test_a_state_entry_that_is_a_symlink_is_refused_and_its_target_left_alone(tm
 
 
 def test_a_warm_record_that_is_a_symlink_is_only_ever_replaced(tmp_path, victim):
-    # prepare.record reads it with O_NOFOLLOW and renames a new file over it:
+    # prepare.build.record reads it with O_NOFOLLOW and renames a new file over it:
     # a link there is a missing record, not a refusal (tests/test_warm.py).
     state_dir = tmp_path / "state"
     state_dir.mkdir()
@@ -271,7 +272,7 @@ def test_a_users_own_group_writable_state_directory_is_theirs_but_one_others_may
             state_dir.chmod(mode)
             os.chown(state_dir, 54321, 54321)
             code = (
-                "from prepare import state\nfrom prepare.fail import Fail\ntry:\n"
+                "from prepare.host import state\nfrom prepare.fail import Fail\ntry:\n"
                 f"    state.vet({str(state_dir)!r}, '--state-dir', 'state_dir (--state-dir)')\n    print('ok')\n"
                 "except Fail as f:\n    print(f.message)\n"
             )

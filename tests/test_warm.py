@@ -1,5 +1,5 @@
 """A re-dial that evaluates nothing: what an earlier attempt settled is kept
-under the state directory (prepare/record.py) and trusted only while it
+under the state directory (prepare/build/record.py) and trusted only while it
 still holds. Every count here comes from a `nix` shim that logs each call
 and runs the real one: an evaluation is a call of `nix eval` or `nix build`
 (a build of a flake attribute evaluates the flake)."""
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
 
-from prepare import nix as nix_mod
-from prepare import record
-from prepare.build import CONTRACT, Built, build
+from prepare.build import record
+from prepare.build.steps import CONTRACT, Built, build
 from prepare.fail import Fail
+from prepare.nix import runner as nix_mod
 from prepare.spec import PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
@@ -406,7 +406,7 @@ def test_a_record_reached_through_a_symlink_is_not_read(nix, test_flake, state_d
 
 _WRITER = """
 import os, sys
-from prepare import record
+from prepare.build import record
 state, stop = sys.argv[1], sys.argv[2]
 small = record.Record("a" * 64, {"cpu": {"label": "cpu"}})
 large = record.Record(
@@ -430,7 +430,7 @@ def test_a_reader_never_sees_a_half_written_record(tmp_path):
     state.mkdir()
     writer = subprocess.Popen(
         [sys.executable, "-c", _WRITER, str(state), str(stop)],
-        env={**os.environ, "PYTHONPATH": str(Path(record.__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(record.__file__).resolve().parents[2])},
     )
     seen: dict[str, int] = {}
     torn: list[object] = []

@@ -1,0 +1,567 @@
+"""`fdl-prepare publish`: build once on the controller, substitute everywhere.
+
+A fleet of a hundred boxes must not compile the same training binary a
+hundred times. The controller (or a CI job) builds the run's outputs for
+each libtorch variant through the very flake and contract the boxes use,
+signs them, copies them with their closure to a binary cache (any store URL
+`nix copy` takes), and only then writes the run manifest. A box whose
+`[join.nix]` names that cache and trusts that key evaluates the same
+derivations and substitutes them.
+
+The order is the point:
+
+1. Checks that cost nothing: the tree, the recipe, the variants named, the
+   cache URL, the key file (its name and mode only: the key is never read
+   here, never on a command line, never in a message), the smoke and run
+   arguments.
+2. Checks that take Nix, still before anything is touched: the state
+   directory, the flake (resolved once and pinned, as a box pins it) and
+   its variants, the tree fetched through Nix as a box fetches it (a git
+   checkout as its committed HEAD, by revision: uncommitted changes are not
+   published; any other directory as it is) and the recipe's cwd in it.
+   Any of them failing leaves the live manifest, and the fleet's run, alone.
+3. `.fdl-run.toml` is removed from the tree. The manifest is the commit
+   point: a box that fetches mid-publish, or after a failed one, finds none
+   and waits (transient) instead of training something nobody built or
+   validated.
+4. For each variant, in the order given: build (the same step a box runs,
+   with GC roots per variant under the publish's state directory), sign the
+   closure, copy it to the cache. A failure names the variant and the step,
+   and leaves no manifest.
+5. The manifest, written atomically, last: `run` (fresh), `built = true`,
+   `published_epoch`, the recipe. It is not an input of the build: the flake
+   filters it out of the source the training derivation sees, so writing it
+   changes no derivation and the boxes substitute what was pushed.
+6. A git source: `--commit` commits the manifest alone on top of the commit
+   that was built, `--push` pushes it too; with neither, the file is written
+   and the summary says what to run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import posixpath
+import secrets
+import shlex
+import socket
+import stat
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+from prepare.build import manifest as manifest_mod
+from prepare.build import steps as build_mod
+from prepare.build import variants as variants_mod
+from prepare.config.fields import _arguments, store_urls
+from prepare.fail import Fail
+from prepare.host import human, proc
+from prepare.nix import caches
+from prepare.spec import PrepareSpec, SourceSpec
+
+if TYPE_CHECKING:
+    from prepare.cli.progress import Progress
+
+GIT_TIMEOUT_S = 120.0
+PUSH_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class PublishSpec:
+    """What to publish and where. `source` is the training source tree (a
+    directory; a git checkout is published as its committed HEAD)."""
+
+    source: str
+    bin: str
+    variants: tuple[str, ...]
+    to: str
+    signing_key: str
+    cwd: str = "."
+    build: str | None = None
+    args: tuple[str, ...] = ()
+    # The smoke run's arguments, written as the manifest's `smoke` (which
+    # outranks a box's own); () writes `smoke = []`, which turns the boxes'
+    # off; None writes no `smoke`, and each box keeps its own.
+    smoke: tuple[str, ...] | None = None
+    flake: str | None = None
+    state_dir: str | None = None
+    build_timeout_s: float | None = None
+    commit: bool = False
+    push: bool = False
+
+
+@dataclass(frozen=True)
+class Output:
+    libtorch: str
+    training: str
+    bin: str
+
+
+@dataclass(frozen=True)
+class Published:
+    run_id: str
+    manifest: str
+    to: str
+    outputs: Mapping[str, Output]
+    # git only: the commit that was built, the manifest's commit, whether it was pushed.
+    rev: str | None = None
+    commit: str | None = None
+    pushed: bool = False
+    # What to run next, when the manifest still has to be committed or pushed.
+    next_step: str | None = None
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run_id,
+            "manifest": self.manifest,
+            "to": self.to,
+            "outputs": {label: dataclasses.asdict(out) for label, out in self.outputs.items()},
+            "rev": self.rev,
+            "commit": self.commit,
+            "pushed": self.pushed,
+            "next": self.next_step,
+        }
+
+
+class _Step(Fail):
+    """A failure inside one variant's step, already worded as such."""
+
+
+def publish(
+    spec: PublishSpec,
+    notes: list[str],
+    progress: Progress | None = None,
+    *,
+    nix_program: str = "nix",
+    env: Mapping[str, str] | None = None,
+) -> Published:
+    """Build, sign and copy every variant, then write the manifest. Raises
+    Fail (naming the variant and the step); on any failure, or an
+    interruption, the tree holds no manifest."""
+    root, variants, to = _check(spec, notes)
+    manifest_path = os.path.join(root, manifest_mod.FILENAME)
+    rev = _git_rev(root, notes)
+    url = source_url(root, rev)
+    box = PrepareSpec(
+        source=SourceSpec(from_=url, cwd=spec.cwd, build=spec.build, bin=spec.bin),
+        libtorch=variants[0],
+        flake=spec.flake,
+        state_dir=spec.state_dir or os.path.join(build_mod.default_state_dir(), "publish"),
+        build_timeout_s=spec.build_timeout_s,
+    )
+    timings: dict[str, float] = {}
+    outputs: dict[str, Output] = {}
+    started = time.monotonic()
+    # Everything that can be checked is, before the live manifest goes: the
+    # state directory, Nix, the flake and its variants, the tree as the
+    # boxes fetch it and the recipe's cwd in it. A typo must not take the
+    # fleet's current run offline.
+    with build_mod.start(box, notes, progress, nix_program=nix_program, env=env) as session:
+        build_mod.lock_flake(session)
+        known = _flake_variants(session)
+        missing = [v for v in variants if v not in known]
+        if missing:
+            raise Fail(
+                "publish.invalid",
+                f"--variant {', '.join(repr(v) for v in missing)}: not a variant of the flake {session.flake!r}, "
+                f"which has: {', '.join(sorted(known))}. Publish the variants the boxes pick (their libtorch)",
+            )
+        session.step("fetch", f"training source {url}")
+        fetched = session.nix.prefetch(
+            url, doing=f"fetching the training source {url!r}", unreachable="source.unreachable"
+        )
+        source = build_mod.Source(fetched=fetched, recipe=_recipe(spec, fetched.store_path))
+        _remove_manifest(manifest_path, notes)
+        for label in variants:
+            session.spec = replace(box, libtorch=label)
+            outputs[label] = _variant(session, known[label], source, to, spec.signing_key, timings)
+        timings["variants"] = round(time.monotonic() - started, 4)
+    if rev is not None:
+        # The manifest must sit on the tree that was built: a commit made
+        # meanwhile would make it describe one nobody built.
+        _same_head(root, rev)
+    run_id = _run_id()
+    text = _manifest_text(spec, run_id, rev, to, list(outputs))
+    _write_atomically(manifest_path, text)
+    notes.append(f"run {run_id}: manifest written to {manifest_path}")
+    commit, pushed, next_step = _git_after(spec, root, rev, run_id)
+    return Published(
+        run_id=run_id,
+        manifest=manifest_path,
+        to=to,
+        outputs=outputs,
+        rev=rev,
+        commit=commit,
+        pushed=pushed,
+        next_step=next_step,
+        timings=timings,
+    )
+
+
+# -- checks before anything is touched ---------------------------------------------------------
+
+
+def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], str]:
+    root = os.path.abspath(spec.source)
+    if not os.path.isdir(root):
+        raise Fail(
+            "publish.invalid", f"the training source {spec.source!r} is not a directory: give the tree to publish"
+        )
+    if any(c.isspace() or not c.isprintable() for c in root):
+        raise Fail(
+            "publish.invalid",
+            f"the training source {root!r} contains whitespace or a control character, which Nix refuses in a URL: "
+            "move or link it to a path without them",
+        )
+    if any(c in "?#%" for c in root) and not os.path.exists(os.path.join(root, ".git")):
+        raise Fail(
+            "publish.invalid",
+            f"the training source {root!r} has a '?', '#' or '%' in its path: a `path:` URL would read it as a "
+            "query or a fragment (Nix does not decode one), and the boxes would fetch another tree. Move or link "
+            "it to a path without them, or publish it as a git checkout",
+        )
+    for name, value, allow_dot in (("--bin", spec.bin, False), ("--cwd", spec.cwd, True)):
+        _relative(name, value, allow_dot)
+    variants = tuple(dict.fromkeys(v.strip() for v in spec.variants))
+    if not variants or any(not v for v in variants):
+        raise Fail(
+            "publish.invalid",
+            "no --variant given: name each libtorch variant the boxes use (--variant cpu --variant cu128)",
+        )
+    if "auto" in variants:
+        raise Fail(
+            "publish.invalid",
+            '--variant "auto" is a box\'s choice, made from its cards: publish the variants themselves '
+            "(--variant cpu --variant cu128)",
+        )
+    to = spec.to.strip()
+    problem = store_urls([to])
+    if problem:
+        raise Fail("publish.invalid", f"--to {spec.to!r}: {problem}")
+    key = spec.signing_key
+    if not os.path.isfile(key) or not os.access(key, os.R_OK):
+        raise Fail(
+            "publish.invalid",
+            f"--signing-key {key!r} is not a readable file: give the secret key file the boxes' "
+            "trusted_public_keys belong to (`nix key generate-secret --key-name NAME > FILE`, and "
+            "`nix key convert-secret-to-public < FILE` for the boxes)",
+        )
+    st = os.stat(key)
+    if st.st_mode & (stat.S_IRGRP | stat.S_IROTH):
+        # Whoever read it can sign anything every box runs as root.
+        raise Fail(
+            "publish.invalid",
+            f"--signing-key {key!r} can be read by other users (mode {stat.S_IMODE(st.st_mode):04o}): whoever has "
+            "read it can sign paths every box trusts, and boxes run them as root. Treat it as leaked: make a new "
+            f"key pair (`nix key generate-secret --key-name NAME > FILE`, `chmod 600 FILE`), give the boxes its "
+            "public half (nix.trusted_public_keys) in place of the old one, and publish again",
+        )
+    for flag, values in (("--smoke", spec.smoke), ("--arg", spec.args)):
+        problem = None if values is None else _arguments(list(values))
+        if problem is not None:
+            raise Fail("publish.invalid", f"{flag}: {problem}")
+    if (spec.commit or spec.push) and not os.path.exists(os.path.join(root, ".git")):
+        raise Fail(
+            "publish.invalid",
+            f"--commit/--push need a git checkout, and {root} is not one: drop them; boxes that fetch this "
+            "directory see the manifest on their next attempt",
+        )
+    if spec.push and not spec.commit:
+        notes.append("--push commits the manifest first (--commit is implied)")
+    return root, variants, to
+
+
+def source_url(root: str, rev: str | None) -> str:
+    """The flake URL a box would fetch the tree by: a git checkout by its
+    path, percent-encoded (Nix decodes a git+file: URL's path), and the
+    commit; any other directory as `path:` (whose path Nix 2.8 does not
+    decode: `_check` refuses one that would need it)."""
+    if rev is not None:
+        path = quote(root, safe="/")
+        # Nix 2.8 takes a git+file: URL whose path it had to decode for a
+        # remote one, and fetches a remote's default branch for a bare rev:
+        # `ref=HEAD` names where the commit is (any branch, or none).
+        ref = "" if path == root else "ref=HEAD&"
+        return f"git+file://{path}?{ref}rev={quote(rev, safe='')}"
+    return f"path:{root}"
+
+
+def _relative(name: str, value: str, allow_dot: bool) -> None:
+    norm = posixpath.normpath(value.strip()) if value.strip() else ""
+    if not norm or posixpath.isabs(norm) or norm == ".." or norm.startswith("../") or (norm == "." and not allow_dot):
+        what = "a directory relative to the source root" if name == "--cwd" else "a name or a path relative to --cwd"
+        raise Fail("publish.invalid", f"{name} {value!r} must be {what}, without '..'")
+
+
+def _recipe(spec: PublishSpec, tree: str) -> manifest_mod.Recipe:
+    cwd = posixpath.normpath(spec.cwd.strip())
+    if not os.path.isdir(os.path.join(tree, cwd)):
+        raise Fail(
+            "publish.invalid", f"--cwd {spec.cwd!r} is not a directory of the training source (as fetched: {tree})"
+        )
+    return manifest_mod.Recipe(
+        bin=posixpath.normpath(spec.bin.strip()),
+        cwd=cwd,
+        build=spec.build if spec.build and spec.build.strip() else None,
+        args=spec.args,
+        has_manifest=True,
+    )
+
+
+def _remove_manifest(path: str, notes: list[str]) -> None:
+    try:
+        previous = manifest_mod.read(os.path.dirname(path))
+    except Fail:
+        previous = None  # broken or unreadable: it goes all the same
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise Fail(
+            "publish.tree-unwritable",
+            f"cannot remove the previous run manifest {path}: {human.oserror(err)}. It must go before anything is "
+            "built, so no box runs it meanwhile: make the tree writable for this user",
+        ) from None
+    run = previous.run if previous is not None and previous.run else "without a run id"
+    notes.append(
+        f"removed the previous manifest (run {run}) from {path}: boxes that fetch this tree wait until the "
+        "publish writes the new one"
+    )
+
+
+# -- the flake ------------------------------------------------------------------------------------
+
+
+def _flake_variants(session: build_mod.Session) -> dict[str, variants_mod.Variant]:
+    """The flake's variants, read as the boxes read them (evaluation only)."""
+    return variants_mod.parse_variants(build_mod.evaluate_variants(session, "--flake"), session.flake)
+
+
+def _variant(
+    session: build_mod.Session,
+    variant: variants_mod.Variant,
+    source: build_mod.Source,
+    to: str,
+    key_file: str,
+    timings: dict[str, float],
+) -> Output:
+    """Build, sign and copy one variant; a failure names it and the step."""
+    label = variant.label
+    with _step(label, "build", timings):
+        built = build_mod.build_outputs(session, variant, source, link=f"publish-{label}")
+    if built.libtorch is None or built.bin is None:
+        raise Fail(
+            "flake.contract-broken",
+            f"variant {label}: the build made no training binary; the flake breaks the contract",
+        )
+    training = os.path.dirname(os.path.dirname(built.bin.path))
+    paths = [built.libtorch.path, training]
+    with _step(label, "sign", timings):
+        session.step("sign", f"{label}: the closure of {', '.join(os.path.basename(p) for p in paths)}")
+        session.nix.sign(paths, key_file, doing=f"signing the {label} outputs with --signing-key {key_file}")
+    with _step(label, "copy", timings):
+        session.step("copy", f"{label} to {caches.uri(to)}")
+        log = session.nix.copy(paths, to, doing=f"copying the {label} outputs to {caches.uri(to)} (--to)")
+    copied = len(log.copies())
+    session.notes.append(
+        f"variant {label}: built, signed and copied to {caches.uri(to)}"
+        + (f" ({copied} path{'s' if copied != 1 else ''} new there)" if copied else " (all there already)")
+        + f": {training}"
+    )
+    return Output(libtorch=built.libtorch.path, training=training, bin=built.bin.path)
+
+
+@contextlib.contextmanager
+def _step(label: str, name: str, timings: dict[str, float]) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    except _Step:
+        raise
+    except Fail as fail:
+        raise _Step(
+            fail.reason,
+            f"publish stopped at variant {label}, step {name}; no manifest was written, so boxes wait for the "
+            f"next publish: {fail.message}",
+        ) from None
+    finally:
+        timings[f"{label}.{name}"] = round(time.monotonic() - started, 4)
+
+
+# -- the manifest -----------------------------------------------------------------------------------
+
+
+def _run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+
+
+def _toml(value: str) -> str:
+    # A JSON string is a TOML basic string (same escapes, \\uXXXX included).
+    import json
+
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _manifest_text(spec: PublishSpec, run_id: str, rev: str | None, to: str, variants: Sequence[str]) -> str:
+    host = socket.gethostname()
+    origin = f"{host}:{os.path.abspath(spec.source)}" + (f"@{rev}" if rev else "")
+    lines = [
+        f"# Written by `fdl-prepare publish` on {host}: the commit point of run {run_id}.",
+        f"# Variants {', '.join(variants)} are built, signed and in {caches.uri(to)}.",
+        f"bin = {_toml(posixpath.normpath(spec.bin.strip()))}",
+        f"cwd = {_toml(posixpath.normpath(spec.cwd.strip()))}",
+        # An empty build line says "none" and outranks a box's own.
+        f"build = {_toml(spec.build or '')}",
+        f"args = [{', '.join(_toml(a) for a in spec.args)}]",
+        *([] if spec.smoke is None else [f"smoke = [{', '.join(_toml(a) for a in spec.smoke)}]"]),
+        f"run = {_toml(run_id)}",
+        "built = true",
+        f"published_epoch = {int(time.time())}",
+        f"origin = {_toml(origin)}",
+        "",
+    ]
+    text = "\n".join(lines)
+    # What the boxes will read, read back before it is written.
+    manifest_mod.parse(text)
+    return text
+
+
+def _write_atomically(path: str, text: str) -> None:
+    # A name nobody can guess, created afresh and never through a link:
+    # whoever else may write the tree cannot plant a file or a symlink for
+    # this write to go through.
+    tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        raise Fail(
+            "publish.tree-unwritable",
+            f"cannot write the run manifest {path}: {human.oserror(err)}; the outputs are in the cache, so a "
+            "publish once the tree is writable only writes it",
+        ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    with contextlib.suppress(OSError):
+        directory = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+# -- git ------------------------------------------------------------------------------------------------
+
+
+def _git(root: str, *args: str, timeout: float = GIT_TIMEOUT_S) -> proc.Completed:
+    try:
+        return proc.run(["git", "-C", root, *args], timeout=timeout)
+    except proc.Missing:
+        raise Fail(
+            "publish.git-missing", f"{root} is a git checkout but git is not installed: `sudo apt-get install git`"
+        ) from None
+    except proc.ExecFailed as failed:
+        raise Fail("publish.git-timeout", f"git could not be started ({failed}); publish again") from None
+    except proc.TimedOut:
+        raise Fail(
+            "publish.git-timeout", f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s"
+        ) from None
+
+
+def _git_rev(root: str, notes: list[str]) -> str | None:
+    """HEAD's commit when `root` is the top of a git checkout; None for a
+    plain directory. Boxes fetch commits, so a checkout is published as
+    the commit, without the working tree's changes."""
+    if not os.path.exists(os.path.join(root, ".git")):
+        return None
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top.ok and os.path.realpath(top.stdout.strip()) != os.path.realpath(root):
+        raise Fail(
+            "publish.invalid",
+            f"{root} is inside the git checkout {top.stdout.strip()}: publish its top level (the manifest goes "
+            "at the root boxes fetch) and name this directory with --cwd",
+        )
+    head = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
+    if not head.ok:
+        raise Fail(
+            "publish.invalid", f"{root} is a git checkout with no commit to publish: commit the training source first"
+        )
+    rev = head.stdout.strip()
+    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] != manifest_mod.FILENAME and line.strip()]
+    if changed:
+        notes.append(
+            f"{len(changed)} uncommitted change(s) in {root} ({', '.join(changed[:5])}"
+            + (", ..." if len(changed) > 5 else "")
+            + f") are not published: boxes fetch commits, and this publishes {rev[:12]}"
+        )
+    return rev
+
+
+def _same_head(root: str, rev: str) -> None:
+    head = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
+    if head.ok and head.stdout.strip() != rev:
+        raise Fail(
+            "publish.head-moved",
+            f"HEAD of {root} moved from {rev[:12]} to {head.stdout.strip()[:12]} during the publish: a manifest "
+            "on it would describe a tree that was not built. No manifest was written; publish again",
+        )
+
+
+def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tuple[str | None, bool, str | None]:
+    """Commit and push the manifest as asked; or say what to run."""
+    name = manifest_mod.FILENAME
+    if rev is None:
+        return None, False, None
+    message = f"publish run {run_id}"
+    # Quoted: the path is the operator's, and may hold what a shell reads.
+    git = ["git", "-C", root]
+    by_hand = " && ".join(
+        shlex.join(argv)
+        for argv in ([*git, "add", "-f", name], [*git, "commit", "-m", message, "--", name], [*git, "push"])
+    )
+    if not (spec.commit or spec.push):
+        return (
+            None,
+            False,
+            (
+                f"commit {name} alone on top of {rev[:12]} (the commit that was built) and push it; boxes pick the "
+                f"run up on their next attempt: {by_hand}"
+            ),
+        )
+    added = _git(root, "add", "-f", "--", name)
+    # Only the manifest: the commit's tree is the built tree plus it.
+    done = _git(root, "commit", "-q", "-m", message, "--", name) if added.ok else added
+    if not done.ok:
+        raise Fail(
+            "publish.git-failed",
+            "the manifest is written but `git commit` failed: "
+            f"{human.printable((done.stderr or done.stdout).strip()[-500:], lines=True)}. "
+            f"Commit it by hand: {by_hand}",
+        )
+    commit = _git(root, "rev-parse", "HEAD").stdout.strip()
+    if not spec.push:
+        return (
+            commit,
+            False,
+            f"push {commit[:12]} ({shlex.join(git + ['push'])}); boxes pick the run up once it is pushed",
+        )
+    pushed = _git(root, "push", "-q", timeout=PUSH_TIMEOUT_S)
+    if not pushed.ok:
+        raise Fail(
+            "publish.push-failed",
+            f"the manifest is committed ({commit[:12]}) but `git push` failed: "
+            f"{human.printable((pushed.stderr or pushed.stdout).strip()[-500:], lines=True)}. Push it: "
+            f"{shlex.join(git + ['push'])}",
+        )
+    return commit, True, None
