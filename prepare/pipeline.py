@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from prepare.spec import Prepared, PrepareSpec
 
 if TYPE_CHECKING:
-    from prepare.cli.progress import Progress
+    from prepare.spec import Progress
 
 
 @contextmanager

@@ -6,9 +6,15 @@ on every attempt, so nothing here may carry state between attempts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+# What the long steps (downloads, builds) say while they run, as plain
+# dicts (prepare.cli.progress lists the types), and what receives them: the
+# library never prints, a CLI or a join loop decides how to show them.
+Event = dict[str, Any]
+Progress = Callable[[Event], None]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import other_user
 import pytest
 
 from prepare import config
+from prepare.config.fields import TABLE
 from prepare.fail import Fail
 from prepare.spec import DataSpec, PrepareSpec, SourceSpec, SshSpec
 
@@ -417,7 +418,7 @@ def test_a_wrong_type_is_permanent_and_names_the_key_the_value_and_the_expected_
 
 def test_every_key_of_the_schema_has_a_wrong_type_case():
     covered = {f"{t}.{k}" for t, k, _, _ in WRONG_TYPES}
-    schema = {f"join.{k}" for k in config.FLAG_NAMES}
+    schema = {f"join.{f.key}" for f in TABLE.fields}
     assert schema <= covered, schema - covered
 
 

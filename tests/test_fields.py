@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from prepare import config
 from prepare.cli import app as cli
-from prepare.config.fields import FIELDS, SECONDS, TABLE, Env, Field, Table, nest, value_at
+from prepare.config.fields import FIELDS, TABLE, Env, Field, Table, nest, value_at
+from prepare.config.kinds import SECONDS
 from prepare.fail import Fail
 from prepare.spec import PrepareSpec, SourceSpec
 
@@ -117,8 +118,9 @@ def _code_strings_and_names(path: Path) -> tuple[set[str], set[str]]:
 # module's option when the module types it (test_module.py) are the places.
 
 
-def test_the_config_names_no_key_flag_or_parameter_of_its_own():
-    strings, names = _code_strings_and_names(PACKAGE / "file.py")
+@pytest.mark.parametrize("module", ["file.py", "schema.py", "resolve.py"])
+def test_the_config_names_no_key_flag_or_parameter_of_its_own(module):
+    strings, names = _code_strings_and_names(PACKAGE / module)
     for f in FIELDS:
         assert {f.key, f.name, f"join.{f.key}", f.flag} & strings == set(), f.key
         assert f.param not in names, f.key

@@ -26,7 +26,7 @@ from prepare.build.steps import build
 from prepare.fail import Fail
 from prepare.nix import runner as nix_mod
 from prepare.nix.runner import Nix
-from prepare.publish.steps import PublishSpec, publish
+from prepare.publish import PublishSpec, publish
 from prepare.spec import NixSpec, PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix

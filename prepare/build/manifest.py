@@ -143,7 +143,7 @@ def parse(text: str, where: str = FILENAME) -> Manifest:
 
 
 def _too_long(key: str, items: list[Any]) -> str | None:
-    from prepare.config.fields import LIMITS, MAX_LIST_BYTES, MAX_STRING_BYTES, too_long
+    from prepare.config.kinds import LIMITS, MAX_LIST_BYTES, MAX_STRING_BYTES, too_long
 
     total = 0
     for index, item in enumerate(items):

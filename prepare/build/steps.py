@@ -75,7 +75,7 @@ from prepare.spec import Binary, Libtorch, PrepareSpec
 
 if TYPE_CHECKING:
     from prepare.gpu.devices import Gpus
-    from prepare.cli.progress import Event, Progress
+    from prepare.spec import Event, Progress
 
 CONTRACT = 1
 

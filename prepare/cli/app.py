@@ -388,7 +388,7 @@ def publish(
     --flake must name the flake the boxes build with, at the same revision."""
     from prepare import config
     from prepare.cli import progress as progress_mod
-    from prepare.publish.steps import PublishSpec
+    from prepare.publish.spec import PublishSpec
     from prepare.publish.steps import publish as run_publish
 
     as_json = as_json or _root_json(ctx)

@@ -25,16 +25,11 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any, TextIO
 
 from prepare.host import human
 from prepare.host.redact import redact
-
-Event = dict[str, Any]
-# Receives progress events from the long steps (downloads, builds). The
-# library never prints: a CLI or a join loop decides how to show them.
-Progress = Callable[[Event], None]
+from prepare.spec import Event, Progress
 
 # Small files a binary cache serves for every path it is asked about: a line
 # each would bury the transfers that matter.

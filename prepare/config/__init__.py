@@ -1,25 +1,16 @@
-"""The configuration: every [join] key once (`fields`), and the TOML file
-and the flags resolved into a PrepareSpec (`file`)."""
+"""The configuration: every [join] key once (`fields`) and the kinds of
+value they take (`kinds`); the TOML file, read safely (`file`) and checked
+against the table (`schema`); and flags, file and environment resolved into
+a PrepareSpec (`resolve`)."""
 
-from prepare.config.file import (
-    CONFIG_ENV,
-    DEFAULT_PATH,
-    FLAG_NAMES,
-    FLAKE_ENV,
-    MAX_CONFIG_BYTES,
-    STATE_ENV,
-    check_spec,
-    env_value,
-    find_path,
-    load,
-    parse_devices,
-    resolve,
-)
+from prepare.config.fields import FLAKE_ENV, STATE_ENV
+from prepare.config.file import CONFIG_ENV, DEFAULT_PATH, MAX_CONFIG_BYTES, find_path, load
+from prepare.config.kinds import parse_devices
+from prepare.config.resolve import check_spec, env_value, resolve
 
 __all__ = [
     "CONFIG_ENV",
     "DEFAULT_PATH",
-    "FLAG_NAMES",
     "FLAKE_ENV",
     "MAX_CONFIG_BYTES",
     "STATE_ENV",

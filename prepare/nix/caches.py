@@ -68,33 +68,6 @@ _UNREACHABLE = re.compile(
 )
 
 
-# Store URL settings that make Nix take paths without checking a signature:
-# `trusted` (any store: "paths from this store can be used as substitutes
-# even if they are not signed by a key listed in trusted-public-keys") and
-# `require-sigs` turned off (a local store's). A store URL inside another's
-# (ssh-ng://host?remote-store=...) is read too.
-def weakens_signatures(url: str, depth: int = 0) -> str | None:
-    """The setting in a store URL's query that turns signature checks off
-    (`trusted=1`, `require-sigs=false`), or None."""
-    from urllib.parse import parse_qsl, unquote
-
-    _, sep, query = url.partition("?")
-    if not sep or depth > 4:
-        return None
-    for name, value in parse_qsl(query.split("#", 1)[0], keep_blank_values=True):
-        setting = name.strip().lower().replace("_", "-")
-        flag = value.strip().lower()
-        if setting == "trusted" and flag not in ("0", "false", "no"):
-            return f"{name}={value}"
-        if setting == "require-sigs" and flag not in ("1", "true", "yes"):
-            return f"{name}={value}"
-        if setting in ("remote-store", "store"):
-            nested = weakens_signatures(unquote(value), depth + 1)
-            if nested is not None:
-                return f"{name}=...{nested}"
-    return None
-
-
 def options(substituters: Sequence[str], keys: Sequence[str]) -> list[str]:
     """The `--option` arguments that give every nix call the box's caches."""
     argv: list[str] = []

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from prepare.cli.progress import Progress
+    from prepare.spec import Progress
 
 # Activity types (nix/src/libutil/logging.hh).
 ACT_COPY_PATH = 100

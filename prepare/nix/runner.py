@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from prepare.config.fields import LIMITS
+from prepare.config.kinds import LIMITS
 from prepare.fail import Fail, Reason
 from prepare.host import human, proc, state
 from prepare.nix import caches
@@ -49,7 +49,7 @@ from prepare.nix.diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
 from prepare.nix.log import Log, strip_ansi
 
 if TYPE_CHECKING:
-    from prepare.cli.progress import Progress
+    from prepare.spec import Progress
 
 
 OLDEST = (2, 8)

@@ -40,91 +40,27 @@ The order is the point:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import posixpath
-import secrets
-import shlex
-import socket
 import stat
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from prepare.build import manifest as manifest_mod
 from prepare.build import steps as build_mod
 from prepare.build import variants as variants_mod
-from prepare.config.fields import _arguments, store_urls
+from prepare.build.manifest import FILENAME, Recipe
+from prepare.config.kinds import ARGUMENTS, STORE_URLS
 from prepare.fail import Fail
-from prepare.host import human, proc
 from prepare.nix import caches
+from prepare.publish import git, manifest
+from prepare.publish.spec import Output, Published, PublishSpec
 from prepare.spec import PrepareSpec, SourceSpec
 
 if TYPE_CHECKING:
-    from prepare.cli.progress import Progress
-
-GIT_TIMEOUT_S = 120.0
-PUSH_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class PublishSpec:
-    """What to publish and where. `source` is the training source tree (a
-    directory; a git checkout is published as its committed HEAD)."""
-
-    source: str
-    bin: str
-    variants: tuple[str, ...]
-    to: str
-    signing_key: str
-    cwd: str = "."
-    build: str | None = None
-    args: tuple[str, ...] = ()
-    # The smoke run's arguments, written as the manifest's `smoke` (which
-    # outranks a box's own); () writes `smoke = []`, which turns the boxes'
-    # off; None writes no `smoke`, and each box keeps its own.
-    smoke: tuple[str, ...] | None = None
-    flake: str | None = None
-    state_dir: str | None = None
-    build_timeout_s: float | None = None
-    commit: bool = False
-    push: bool = False
-
-
-@dataclass(frozen=True)
-class Output:
-    libtorch: str
-    training: str
-    bin: str
-
-
-@dataclass(frozen=True)
-class Published:
-    run_id: str
-    manifest: str
-    to: str
-    outputs: Mapping[str, Output]
-    # git only: the commit that was built, the manifest's commit, whether it was pushed.
-    rev: str | None = None
-    commit: str | None = None
-    pushed: bool = False
-    # What to run next, when the manifest still has to be committed or pushed.
-    next_step: str | None = None
-    timings: dict[str, float] = field(default_factory=dict, compare=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "run": self.run_id,
-            "manifest": self.manifest,
-            "to": self.to,
-            "outputs": {label: dataclasses.asdict(out) for label, out in self.outputs.items()},
-            "rev": self.rev,
-            "commit": self.commit,
-            "pushed": self.pushed,
-            "next": self.next_step,
-        }
+    from prepare.spec import Progress
 
 
 class _Step(Fail):
@@ -143,8 +79,8 @@ def publish(
     Fail (naming the variant and the step); on any failure, or an
     interruption, the tree holds no manifest."""
     root, variants, to = _check(spec, notes)
-    manifest_path = os.path.join(root, manifest_mod.FILENAME)
-    rev = _git_rev(root, notes)
+    manifest_path = os.path.join(root, FILENAME)
+    rev = git.rev(root, notes)
     url = source_url(root, rev)
     box = PrepareSpec(
         source=SourceSpec(from_=url, cwd=spec.cwd, build=spec.build, bin=spec.bin),
@@ -175,7 +111,7 @@ def publish(
             url, doing=f"fetching the training source {url!r}", unreachable="source.unreachable"
         )
         source = build_mod.Source(fetched=fetched, recipe=_recipe(spec, fetched.store_path))
-        _remove_manifest(manifest_path, notes)
+        manifest.remove(manifest_path, notes)
         for label in variants:
             session.spec = replace(box, libtorch=label)
             outputs[label] = _variant(session, known[label], source, to, spec.signing_key, timings)
@@ -183,12 +119,12 @@ def publish(
     if rev is not None:
         # The manifest must sit on the tree that was built: a commit made
         # meanwhile would make it describe one nobody built.
-        _same_head(root, rev)
-    run_id = _run_id()
-    text = _manifest_text(spec, run_id, rev, to, list(outputs))
-    _write_atomically(manifest_path, text)
+        git.same_head(root, rev)
+    run_id = manifest.new_run_id()
+    text = manifest.text(spec, run_id, rev, to, list(outputs))
+    manifest.write(manifest_path, text)
     notes.append(f"run {run_id}: manifest written to {manifest_path}")
-    commit, pushed, next_step = _git_after(spec, root, rev, run_id)
+    commit, pushed, next_step = git.commit_and_push(root, rev, run_id, commit=spec.commit, push=spec.push)
     return Published(
         run_id=run_id,
         manifest=manifest_path,
@@ -239,7 +175,7 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
             "(--variant cpu --variant cu128)",
         )
     to = spec.to.strip()
-    problem = store_urls([to])
+    problem = STORE_URLS.check([to])
     if problem:
         raise Fail("publish.invalid", f"--to {spec.to!r}: {problem}")
     key = spec.signing_key
@@ -261,7 +197,7 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
             "public half (nix.trusted_public_keys) in place of the old one, and publish again",
         )
     for flag, values in (("--smoke", spec.smoke), ("--arg", spec.args)):
-        problem = None if values is None else _arguments(list(values))
+        problem = None if values is None else ARGUMENTS.check(list(values))
         if problem is not None:
             raise Fail("publish.invalid", f"{flag}: {problem}")
     if (spec.commit or spec.push) and not os.path.exists(os.path.join(root, ".git")):
@@ -297,40 +233,18 @@ def _relative(name: str, value: str, allow_dot: bool) -> None:
         raise Fail("publish.invalid", f"{name} {value!r} must be {what}, without '..'")
 
 
-def _recipe(spec: PublishSpec, tree: str) -> manifest_mod.Recipe:
+def _recipe(spec: PublishSpec, tree: str) -> Recipe:
     cwd = posixpath.normpath(spec.cwd.strip())
     if not os.path.isdir(os.path.join(tree, cwd)):
         raise Fail(
             "publish.invalid", f"--cwd {spec.cwd!r} is not a directory of the training source (as fetched: {tree})"
         )
-    return manifest_mod.Recipe(
+    return Recipe(
         bin=posixpath.normpath(spec.bin.strip()),
         cwd=cwd,
         build=spec.build if spec.build and spec.build.strip() else None,
         args=spec.args,
         has_manifest=True,
-    )
-
-
-def _remove_manifest(path: str, notes: list[str]) -> None:
-    try:
-        previous = manifest_mod.read(os.path.dirname(path))
-    except Fail:
-        previous = None  # broken or unreadable: it goes all the same
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return
-    except OSError as err:
-        raise Fail(
-            "publish.tree-unwritable",
-            f"cannot remove the previous run manifest {path}: {human.oserror(err)}. It must go before anything is "
-            "built, so no box runs it meanwhile: make the tree writable for this user",
-        ) from None
-    run = previous.run if previous is not None and previous.run else "without a run id"
-    notes.append(
-        f"removed the previous manifest (run {run}) from {path}: boxes that fetch this tree wait until the "
-        "publish writes the new one"
     )
 
 
@@ -396,172 +310,4 @@ def _step(label: str, name: str, timings: dict[str, float]) -> Iterator[None]:
 # -- the manifest -----------------------------------------------------------------------------------
 
 
-def _run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
-
-
-def _toml(value: str) -> str:
-    # A JSON string is a TOML basic string (same escapes, \\uXXXX included).
-    import json
-
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _manifest_text(spec: PublishSpec, run_id: str, rev: str | None, to: str, variants: Sequence[str]) -> str:
-    host = socket.gethostname()
-    origin = f"{host}:{os.path.abspath(spec.source)}" + (f"@{rev}" if rev else "")
-    lines = [
-        f"# Written by `fdl-prepare publish` on {host}: the commit point of run {run_id}.",
-        f"# Variants {', '.join(variants)} are built, signed and in {caches.uri(to)}.",
-        f"bin = {_toml(posixpath.normpath(spec.bin.strip()))}",
-        f"cwd = {_toml(posixpath.normpath(spec.cwd.strip()))}",
-        # An empty build line says "none" and outranks a box's own.
-        f"build = {_toml(spec.build or '')}",
-        f"args = [{', '.join(_toml(a) for a in spec.args)}]",
-        *([] if spec.smoke is None else [f"smoke = [{', '.join(_toml(a) for a in spec.smoke)}]"]),
-        f"run = {_toml(run_id)}",
-        "built = true",
-        f"published_epoch = {int(time.time())}",
-        f"origin = {_toml(origin)}",
-        "",
-    ]
-    text = "\n".join(lines)
-    # What the boxes will read, read back before it is written.
-    manifest_mod.parse(text)
-    return text
-
-
-def _write_atomically(path: str, text: str) -> None:
-    # A name nobody can guess, created afresh and never through a link:
-    # whoever else may write the tree cannot plant a file or a symlink for
-    # this write to go through.
-    tmp = f"{path}.{secrets.token_hex(8)}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as err:
-        raise Fail(
-            "publish.tree-unwritable",
-            f"cannot write the run manifest {path}: {human.oserror(err)}; the outputs are in the cache, so a "
-            "publish once the tree is writable only writes it",
-        ) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    with contextlib.suppress(OSError):
-        directory = os.open(os.path.dirname(path), os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
-
-
 # -- git ------------------------------------------------------------------------------------------------
-
-
-def _git(root: str, *args: str, timeout: float = GIT_TIMEOUT_S) -> proc.Completed:
-    try:
-        return proc.run(["git", "-C", root, *args], timeout=timeout)
-    except proc.Missing:
-        raise Fail(
-            "publish.git-missing", f"{root} is a git checkout but git is not installed: `sudo apt-get install git`"
-        ) from None
-    except proc.ExecFailed as failed:
-        raise Fail("publish.git-timeout", f"git could not be started ({failed}); publish again") from None
-    except proc.TimedOut:
-        raise Fail(
-            "publish.git-timeout", f"`git {' '.join(args)}` in {root} did not finish within {timeout:g}s"
-        ) from None
-
-
-def _git_rev(root: str, notes: list[str]) -> str | None:
-    """HEAD's commit when `root` is the top of a git checkout; None for a
-    plain directory. Boxes fetch commits, so a checkout is published as
-    the commit, without the working tree's changes."""
-    if not os.path.exists(os.path.join(root, ".git")):
-        return None
-    top = _git(root, "rev-parse", "--show-toplevel")
-    if top.ok and os.path.realpath(top.stdout.strip()) != os.path.realpath(root):
-        raise Fail(
-            "publish.invalid",
-            f"{root} is inside the git checkout {top.stdout.strip()}: publish its top level (the manifest goes "
-            "at the root boxes fetch) and name this directory with --cwd",
-        )
-    head = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
-    if not head.ok:
-        raise Fail(
-            "publish.invalid", f"{root} is a git checkout with no commit to publish: commit the training source first"
-        )
-    rev = head.stdout.strip()
-    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
-    changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] != manifest_mod.FILENAME and line.strip()]
-    if changed:
-        notes.append(
-            f"{len(changed)} uncommitted change(s) in {root} ({', '.join(changed[:5])}"
-            + (", ..." if len(changed) > 5 else "")
-            + f") are not published: boxes fetch commits, and this publishes {rev[:12]}"
-        )
-    return rev
-
-
-def _same_head(root: str, rev: str) -> None:
-    head = _git(root, "rev-parse", "--verify", "HEAD^{commit}")
-    if head.ok and head.stdout.strip() != rev:
-        raise Fail(
-            "publish.head-moved",
-            f"HEAD of {root} moved from {rev[:12]} to {head.stdout.strip()[:12]} during the publish: a manifest "
-            "on it would describe a tree that was not built. No manifest was written; publish again",
-        )
-
-
-def _git_after(spec: PublishSpec, root: str, rev: str | None, run_id: str) -> tuple[str | None, bool, str | None]:
-    """Commit and push the manifest as asked; or say what to run."""
-    name = manifest_mod.FILENAME
-    if rev is None:
-        return None, False, None
-    message = f"publish run {run_id}"
-    # Quoted: the path is the operator's, and may hold what a shell reads.
-    git = ["git", "-C", root]
-    by_hand = " && ".join(
-        shlex.join(argv)
-        for argv in ([*git, "add", "-f", name], [*git, "commit", "-m", message, "--", name], [*git, "push"])
-    )
-    if not (spec.commit or spec.push):
-        return (
-            None,
-            False,
-            (
-                f"commit {name} alone on top of {rev[:12]} (the commit that was built) and push it; boxes pick the "
-                f"run up on their next attempt: {by_hand}"
-            ),
-        )
-    added = _git(root, "add", "-f", "--", name)
-    # Only the manifest: the commit's tree is the built tree plus it.
-    done = _git(root, "commit", "-q", "-m", message, "--", name) if added.ok else added
-    if not done.ok:
-        raise Fail(
-            "publish.git-failed",
-            "the manifest is written but `git commit` failed: "
-            f"{human.printable((done.stderr or done.stdout).strip()[-500:], lines=True)}. "
-            f"Commit it by hand: {by_hand}",
-        )
-    commit = _git(root, "rev-parse", "HEAD").stdout.strip()
-    if not spec.push:
-        return (
-            commit,
-            False,
-            f"push {commit[:12]} ({shlex.join(git + ['push'])}); boxes pick the run up once it is pushed",
-        )
-    pushed = _git(root, "push", "-q", timeout=PUSH_TIMEOUT_S)
-    if not pushed.ok:
-        raise Fail(
-            "publish.push-failed",
-            f"the manifest is committed ({commit[:12]}) but `git push` failed: "
-            f"{human.printable((pushed.stderr or pushed.stdout).strip()[-500:], lines=True)}. Push it: "
-            f"{shlex.join(git + ['push'])}",
-        )
-    return commit, True, None
