@@ -29,12 +29,23 @@ import re
 import shlex
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from prepare.fail import Fail
 from prepare.host import confine, human, proc
 from prepare.spec import Binary
 
-DEFAULT_TIMEOUT_S = 60.0
+
+@dataclass(frozen=True)
+class SmokePlan:
+    """The smoke run's part of the plan (prepare.plan): how long the binary
+    may run, and whom it runs as when fdl-prepare is root. What it runs
+    with is the recipe's (`smoke`), known only once the source is fetched."""
+
+    timeout_s: float = 60.0
+    user: str = confine.DEFAULT_USER
+
+
 # Enough of the end of the output to show why; the start is usually banners.
 LAST_LINES = 20
 # Of each line quoted, and of all the output kept: a binary that prints a

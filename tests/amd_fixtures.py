@@ -55,7 +55,7 @@ links, as a display-only GPU has).
     .run(code, env=None, uid=None) -> CompletedProcess: `python -c code`
         in a private mount namespace holding this box, as root or as `uid`
         (no groups, the readable package copy of tests/other_user.py).
-    .gate(env=None, uid=None, **spec) -> dict: gate.check(PrepareSpec(**spec))
+    .gate(env=None, uid=None, **spec) -> dict: gate.check(gate.GatePlan(**spec))
         there: {"gpus": Gpus.to_json(), "notes": [...]} or
         {"kind": ..., "message": ..., "notes": [...]}.
 """
@@ -266,7 +266,7 @@ class AmdBox:
             "from prepare.spec import PrepareSpec\n"
             "notes = []\n"
             "try:\n"
-            f"    gpus = gate.check(PrepareSpec(**{spec!r}), notes)\n"
+            f"    gpus = gate.check(gate.GatePlan(**{spec!r}), notes)\n"
             "    print(json.dumps({'gpus': gpus.to_json(), 'notes': notes}))\n"
             "except Fail as f:\n"
             "    print(json.dumps({'kind': f.kind, 'message': f.message, 'notes': notes}))\n"

@@ -49,6 +49,11 @@ process (a python child) that takes flock(LOCK_EX) on `path`, as another
 fdl-prepare would on <state>/lock, and holds it for `seconds`; returns once
 it holds the lock. Killed at teardown.
 
+`build(spec, notes=None, *, progress=None, nix_program="nix", steps=BUILD)` -> Prepared:
+the pipeline's build steps (4 to 7: state, variant, source, build) run by
+its executor on `spec`'s plan, without the cheap steps or the smoke run;
+`steps` names others (`("gate", *BUILD)` puts the GPU gate first).
+
 `valid_path(path)` -> bool: whether the store knows `path` as complete.
 `procs_with(text)` -> list of (pid, cmdline) of live processes whose command
 line contains `text`.
@@ -66,8 +71,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from prepare.spec import Prepared, PrepareSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -583,3 +592,25 @@ def nix_daemon_client(
             proc.terminate()
             proc.wait(timeout=10)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+# The build steps of the pipeline (prepare.pipeline.STEPS), by name.
+BUILD = ("state", "variant", "source", "build")
+
+
+def build(
+    spec: PrepareSpec,
+    notes: list[str] | None = None,
+    *,
+    progress: Callable[[dict], None] | None = None,
+    nix_program: str = "nix",
+    steps: Sequence[str] = BUILD,
+) -> Prepared:
+    """The pipeline's `steps` on `spec`'s plan, through its one executor."""
+    from prepare import pipeline
+    from prepare.plan import plan
+
+    chosen = [step for step in pipeline.STEPS if step.name in steps]
+    return pipeline.run(
+        plan(spec), [] if notes is None else notes, progress=progress, steps=chosen, nix_program=nix_program
+    )

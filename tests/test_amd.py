@@ -55,7 +55,7 @@ def choose_code(libtorch: str = "auto", variants: dict = VARIANTS) -> str:
         "from prepare.spec import PrepareSpec\n"
         "notes = []\n"
         "try:\n"
-        "    gpus = gate.check(PrepareSpec(), notes)\n"
+        "    gpus = gate.check(gate.GatePlan(), notes)\n"
         f"    v = variants.choose({libtorch!r}, variants.parse_variants({variants!r}, 'path:/f'), gpus, False, 'path:/f', notes)\n"
         "    print(json.dumps({'label': v.label, 'notes': notes}))\n"
         "except Fail as f:\n"

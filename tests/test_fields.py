@@ -19,6 +19,7 @@ from prepare.cli import app as cli
 from prepare.config.fields import FIELDS, TABLE, Env, Field, Table, nest, value_at
 from prepare.config.kinds import SECONDS
 from prepare.fail import Fail
+from prepare.plan import plan
 from prepare.spec import PrepareSpec, SourceSpec
 
 PACKAGE = Path(config.__file__).resolve().parent
@@ -178,9 +179,9 @@ def test_a_new_field_is_checked_hinted_and_suggested_like_the_others(tmp_path):
         config.load(tmp_path.joinpath("prepare.toml"))
 
 
-def test_a_new_field_set_in_code_is_checked_by_check_spec():
+def test_a_new_field_set_in_code_is_checked_by_the_plan():
     with pytest.raises(Fail) as caught:
-        config.check_spec(WithStageTimeout(stage_timeout_s=-1), table=WIDER)
+        plan(WithStageTimeout(stage_timeout_s=-1), table=WIDER)
     assert "PrepareSpec.stage_timeout_s = -1: expected a finite number of seconds" in caught.value.message
 
 

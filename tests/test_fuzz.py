@@ -29,6 +29,7 @@ from prepare.data import url as sshfs_url
 from prepare.fail import Fail
 from prepare.host.redact import credentials
 from prepare.nix import urls
+from prepare.plan import Plan, plan
 from prepare.spec import DataSpec, NixSpec, PrepareSpec, SourceSpec, SshSpec
 
 # The budget per property.
@@ -175,9 +176,15 @@ def _load_then_resolve(raw: bytes) -> None:
         try:
             spec = config.resolve(table, {}, {})
         except Fail as fail:
-            assert fail.permanent and ("join." in fail.message or "cpu_only" in fail.message), fail.message
+            assert fail.permanent and "join." in fail.message, fail.message
             return
         assert isinstance(spec, PrepareSpec)
+        try:
+            plan(spec, {})
+        except Fail as fail:
+            # What is wrong with the spec as a whole (the rules, the URLs,
+            # the source's grammar): still the config's, never a traceback.
+            assert fail.reason in ("config.invalid", "config.credentials-in-url"), fail.message
     finally:
         _remove(path)
 
@@ -327,8 +334,19 @@ SPECS = st.builds(
 @given(SPECS)
 def test_any_spec_built_in_code_is_checked_into_a_spec_or_a_fail_naming_a_spec_field(spec: PrepareSpec) -> None:
     try:
-        checked = config.check_spec(spec)
+        checked = config.checked(spec)
     except Fail as fail:
         assert fail.permanent and "PrepareSpec" in fail.message, fail.message
         return
     assert isinstance(checked, PrepareSpec)
+
+
+@FUZZ
+@given(SPECS)
+def test_any_spec_built_in_code_is_planned_or_refused_as_config_never_a_traceback(spec: PrepareSpec) -> None:
+    try:
+        made = plan(spec, {})
+    except Fail as fail:
+        assert fail.reason in ("config.invalid", "config.credentials-in-url"), fail.message
+        return
+    assert isinstance(made, Plan) and (made.build is None) == (not spec.wants_build)

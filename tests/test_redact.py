@@ -169,14 +169,15 @@ def test_a_credential_nix_itself_quotes_from_a_flakes_own_input_is_hidden(nix_en
             "outputs = { self, private }: { }; }\n"
         )
     )
-    from prepare.build import steps as build_mod
+    from nix_fixtures import build
+
     from prepare.spec import PrepareSpec
 
     events = io.StringIO()
     notes: list[str] = []
     spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state"))
     with pytest.raises(Fail) as caught:
-        build_mod.build(spec, None, notes, progress=progress.renderer(events, live=False))
+        build(spec, notes, progress=progress.renderer(events, live=False))
     said = caught.value.message + "\n".join(notes) + events.getvalue()
     # Nix's own error quotes the URL it could not download, token and all.
     assert "http://***@127.0.0.1:1/private.tar.gz" in caught.value.message

@@ -2,7 +2,7 @@
 entry of ours is opened without following a link, is of the type we keep
 and is owned by this user, and anything else is a permanent Fail naming the
 entry and the fix, before anything is written. Real directories, links and
-a full tmpfs; the build's own entry point (`build.start`) finds them."""
+a full tmpfs; the pipeline's step 4 (prepare.build.workspace) finds them."""
 
 from __future__ import annotations
 
@@ -13,20 +13,25 @@ import stat
 from pathlib import Path
 
 import pytest
+from nix_fixtures import build
 
 from prepare.build import outputs
-from prepare.build import steps as build_mod
 from prepare.fail import Fail
 from prepare.host import state
 from prepare.spec import PrepareSpec
 
 
-def start_fail(state_dir: Path) -> Fail:
-    """What starting steps 4 and 5 says about `state_dir`: it is vetted
-    before the first nix call, so no Nix is needed to see it."""
+def open_state(state_dir: Path) -> None:
+    """Step 4 alone on `state_dir`, run and closed by the pipeline's executor."""
     spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake="path:/srv/fdl-prepare", state_dir=str(state_dir))
+    build(spec, [], steps=("state",))
+
+
+def start_fail(state_dir: Path) -> Fail:
+    """What step 4 says about `state_dir`: it is vetted before the first nix
+    call, so no Nix is needed to see it."""
     with pytest.raises(Fail) as caught:
-        build_mod.start(spec, [])
+        open_state(state_dir)
     return caught.value
 
 
@@ -199,9 +204,8 @@ def test_a_temporary_file_a_killed_write_left_is_removed_and_any_other_hidden_fi
     # What an earlier version named one.
     older = state_dir / "recipe.json.4242.tmp"
     older.write_text("{")
-    spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake="path:/srv/fdl-prepare", state_dir=str(state_dir))
     with contextlib.suppress(Fail):
-        build_mod.start(spec, []).__exit__(None, None, None)
+        open_state(state_dir)
     assert not left.exists() and not older.exists()
     (state_dir / ".bashrc").write_text("")
     assert "(.bashrc)" in start_fail(state_dir).message

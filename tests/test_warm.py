@@ -17,13 +17,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
+from nix_fixtures import NIX_CONFIG, build, manifest_text, procs_with, trainer
 
 from prepare.build import record
-from prepare.build.steps import CONTRACT, Built, build
+from prepare.build.choose import CONTRACT
 from prepare.fail import Fail
 from prepare.nix import runner as nix_mod
-from prepare.spec import PrepareSpec, SourceSpec
+from prepare.spec import Prepared, PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
 
@@ -77,9 +77,9 @@ def nix(tmp_path: Path, nix_env: dict[str, str]) -> Counting:
     return Counting(tmp_path)
 
 
-def attempt(nix: Counting, spec: PrepareSpec, notes: list[str] | None = None, events: list | None = None) -> Built:
+def attempt(nix: Counting, spec: PrepareSpec, notes: list[str] | None = None, events: list | None = None) -> Prepared:
     return build(
-        spec, None, notes if notes is not None else [], progress=events.append if events is not None else None,
+        spec, notes if notes is not None else [], progress=events.append if events is not None else None,
         nix_program=nix.program,
     )  # fmt: skip
 
@@ -323,7 +323,7 @@ def test_a_libtorch_only_build_is_warm_too(nix, test_flake, state_dir):
 # -- any doubt means the normal path ----------------------------------------------------
 
 
-def _warm(nix: Counting, spec: PrepareSpec) -> Built:
+def _warm(nix: Counting, spec: PrepareSpec) -> Prepared:
     first = attempt(nix, spec)
     nix.calls()
     return first
@@ -412,7 +412,7 @@ small = record.Record("a" * 64, {"cpu": {"label": "cpu"}})
 large = record.Record(
     "b" * 64,
     {f"v{i}": {"label": f"v{i}", "archs": ["8.6"] * 50} for i in range(200)},
-    record.Plan("k", [{"drvPath": "/nix/store/x-a.drv", "outputs": {"out": "/nix/store/x-a"}}]),
+    record.Outputs("k", [{"drvPath": "/nix/store/x-a.drv", "outputs": {"out": "/nix/store/x-a"}}]),
 )
 while not os.path.exists(stop):
     record.save(state, large)
@@ -459,12 +459,12 @@ def test_a_reader_never_sees_a_half_written_record(tmp_path):
 
 def test_two_concurrent_attempts_on_one_state_directory_agree(nix_env, test_flake, state_dir, git_source):
     spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
-    results: list[Built] = []
+    results: list[Prepared] = []
     errors: list[BaseException] = []
 
     def one() -> None:
         try:
-            results.append(build(spec, None, []))
+            results.append(build(spec, []))
         except BaseException as error:  # noqa: BLE001 - reported below, with the assertion
             errors.append(error)
 

@@ -1,4 +1,4 @@
-"""What one `nix build` of step 5 is given and what it leaves: the recipe
+"""What one `nix build` of step 7 is given and what it leaves: the recipe
 directory handed to the flake, the out-links kept as GC roots, which result
 is libtorch and which the training binary, and the notes that say what was
 built, downloaded or already there.

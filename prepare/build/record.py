@@ -9,7 +9,7 @@ them, keyed by everything that decides them:
 - the flake as resolved and locked, with its inputs (`Nix.flake_identity`);
 - the system and the contract version;
 - the variant chosen, and the training source's NAR hash and the merged
-  recipe the flake was given (the plan's key; none without a source).
+  recipe the flake was given (the outputs' key; none without a source).
 
 The flake's variant metadata is kept under the flake's key alone, so an
 attempt after a new publish of the training source (the common re-dial)
@@ -38,7 +38,7 @@ from typing import Any
 
 from prepare.build.outputs import store_paths
 
-# 2: a plan names its source's URL (a re-dial of the same source fetches it
+# 2: the outputs name their source's URL (a re-dial of the same source fetches it
 # beside the flake's resolution).
 VERSION = 2
 NAME = "warm.json"
@@ -66,7 +66,7 @@ def variants_digest(contract: int, variants: Any) -> str:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Outputs:
     """A build that succeeded: its key, and Nix's results for it."""
 
     key: str
@@ -79,13 +79,14 @@ class Plan:
 class Record:
     flake_key: str
     variants: Any  # the flake's `fdl.variants`, as Nix printed it
-    plan: Plan | None = None
+    outputs: Outputs | None = None
 
     def to_json(self) -> dict[str, Any]:
-        plan = None
-        if self.plan is not None:
-            plan = {"key": self.plan.key, "results": self.plan.results, "source_url": self.plan.source_url}
-        return {"version": VERSION, "flake_key": self.flake_key, "variants": self.variants, "plan": plan}
+        made = None
+        if self.outputs is not None:
+            made = {"key": self.outputs.key, "results": self.outputs.results, "source_url": self.outputs.source_url}
+        # "plan" is the file's own name for them (VERSION 2).
+        return {"version": VERSION, "flake_key": self.flake_key, "variants": self.variants, "plan": made}
 
 
 def load(state: str) -> Record | None:
@@ -114,7 +115,7 @@ def _parse(data: Any) -> Record | None:
     flake_key = data.get("flake_key")
     if not isinstance(flake_key, str) or "variants" not in data:
         return None
-    plan = None
+    made = None
     raw_plan = data.get("plan")
     if raw_plan is not None:
         if not isinstance(raw_plan, dict) or not isinstance(raw_plan.get("key"), str):
@@ -128,8 +129,8 @@ def _parse(data: Any) -> Record | None:
         source_url = raw_plan.get("source_url")
         if source_url is not None and not isinstance(source_url, str):
             return None
-        plan = Plan(key=raw_plan["key"], results=results, source_url=source_url)
-    return Record(flake_key=flake_key, variants=data["variants"], plan=plan)
+        made = Outputs(key=raw_plan["key"], results=results, source_url=source_url)
+    return Record(flake_key=flake_key, variants=data["variants"], outputs=made)
 
 
 def _result_ok(result: Any) -> bool:

@@ -3,7 +3,7 @@
 Pure functions over the variant metadata the flake exposes by evaluation
 (`legacyPackages.<system>.fdl.variants`: label, CUDA version, arch list) and
 the devices the GPU gate offers. Nothing here downloads or builds: the point
-of step 4 is to refuse a variant that ships no kernel for an offered card
+of step 5 is to refuse a variant that ships no kernel for an offered card
 *before* gigabytes of libtorch are fetched (the Rust reference learns it only
 after the download).
 
@@ -233,13 +233,8 @@ def choose(
     flake's variants, and refuse one that cannot serve an offered card."""
     wanted = AUTO if requested is None else requested.strip()
     if cpu_only:
-        if wanted not in (AUTO, CPU):
-            raise Fail(
-                "config.invalid",
-                f"libtorch = {wanted!r} needs a GPU, but cpu_only is set (--cpu-only), which allows only "
-                f'the {CPU!r} variant: set libtorch = "{CPU}" (--libtorch {CPU}) or "auto", or drop '
-                "cpu_only (--no-cpu-only) on a box with a GPU",
-            )
+        # The plan refused any other libtorch with cpu_only (a rule across
+        # the two fields, prepare.config.fields).
         wanted = CPU
     if wanted == AUTO:
         variant, why = _auto(variants, gpus, flake)

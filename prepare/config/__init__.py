@@ -6,7 +6,7 @@ a PrepareSpec (`resolve`)."""
 from prepare.config.fields import FLAKE_ENV, STATE_ENV
 from prepare.config.file import CONFIG_ENV, DEFAULT_PATH, MAX_CONFIG_BYTES, find_path, load
 from prepare.config.kinds import parse_devices
-from prepare.config.resolve import check_spec, env_value, resolve
+from prepare.config.resolve import checked, from_environment, resolve
 
 __all__ = [
     "CONFIG_ENV",
@@ -14,8 +14,8 @@ __all__ = [
     "FLAKE_ENV",
     "MAX_CONFIG_BYTES",
     "STATE_ENV",
-    "check_spec",
-    "env_value",
+    "checked",
+    "from_environment",
     "find_path",
     "load",
     "parse_devices",

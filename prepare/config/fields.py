@@ -4,14 +4,14 @@ environment fallback, its help text, and the type the NixOS module gives it.
 
 Everything else derives from `TABLE`: the CLI's options (`prepare.cli`), the
 TOML schema, the precedence in `resolve`, the checks a spec built in code
-gets (`check_spec`), the unknown-key suggestions (`prepare.config`), and the
+gets (`prepare.plan`), the unknown-key suggestions (`config.schema`), and the
 tests that hold `nix/module.nix` to it. Adding a key is one `Field` here, one
 attribute on the spec for the step that reads it, and, if the module types
 it, its option there (a test says so when it is missing).
 
-Rules that involve more than one field (`RULES`) live here too, and run the
-same way on a resolved config and on a spec a join loop built itself, so
-neither path can refuse what the other lets through.
+Rules that involve more than one field (`RULES`) live here too, and the plan
+runs them the same way on a resolved config and on a spec a join loop built
+itself, so neither path can refuse what the other lets through.
 
 This module is imported on every start of the CLI, to build its options:
 it must stay as cheap as the CLI's own imports.
@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from prepare.config.kinds import (
-    ABSOLUTE_PATH,
     ARGUMENTS,
     BOOLEAN,
     BUILD_SECONDS,
     COUNT,
+    DATA_PATH,
     DEVICES,
+    DRIVER_PATH,
     IDENTITY,
     LIST_SECONDS,
     PORT,
@@ -38,6 +39,7 @@ from prepare.config.kinds import (
     SMOKE_USER,
     SSH_HOST,
     SSH_USER,
+    STATE_PATH,
     STORE_URLS,
     STRING,
     STRINGS,
@@ -45,7 +47,7 @@ from prepare.config.kinds import (
     Kind,
     show,
 )
-from prepare.spec import PrepareSpec
+from prepare.spec import DATA_MOUNTPOINT, DRIVER_DIR, PrepareSpec
 
 FLAKE_ENV = "FDL_PREPARE_FLAKE"
 STATE_ENV = "STATE_DIRECTORY"
@@ -110,10 +112,10 @@ FIELDS: tuple[Field, ...] = (
         key="data_path",
         flag="--data-path",
         spec="data.data_path",
-        kind=STRING,
+        kind=DATA_PATH,
         metavar="PATH",
         nix="nullOr str",
-        help="Dataset root (or where to mount data_source; default /flodl/data).",
+        help=f"Dataset root (or where to mount data_source; default {DATA_MOUNTPOINT}).",
     ),
     Field(
         key="data_source",
@@ -165,11 +167,11 @@ FIELDS: tuple[Field, ...] = (
         key="driver_dir",
         flag="--driver-dir",
         spec="driver_dir",
-        kind=STRING,
+        kind=DRIVER_PATH,
         metavar="DIR",
-        default="/run/opengl-driver/lib",
+        default=DRIVER_DIR,
         help="Where links to the host's NVIDIA libraries are kept for Nix-built programs on a box that is not NixOS. "
-        "Default: /run/opengl-driver/lib (nixpkgs' addDriverRunpath).",
+        f"Default: {DRIVER_DIR} (nixpkgs' addDriverRunpath).",
     ),
     # The module writes `flake` from its own `flake` option, not a settings one.
     Field(
@@ -186,7 +188,7 @@ FIELDS: tuple[Field, ...] = (
         key="state_dir",
         flag="--state-dir",
         spec="state_dir",
-        kind=ABSOLUTE_PATH,
+        kind=STATE_PATH,
         metavar="DIR",
         # systemd joins several StateDirectory= entries with ':'; the first is the unit's own.
         env=Env(STATE_ENV, note="systemd's StateDirectory=", separator=":"),
@@ -418,4 +420,14 @@ def _cpu_only_takes_the_cpu_libtorch(spec: PrepareSpec, where: Where) -> str | N
     return None
 
 
-RULES: tuple[Rule, ...] = (_cpu_only_takes_the_cpu_libtorch,)
+def _a_data_source_is_not_mounted_over_the_root(spec: PrepareSpec, where: Where) -> str | None:
+    path = spec.data.data_path
+    if spec.data.data_source is not None and path is not None and path.rstrip("/") == "":
+        return (
+            f"data_path {path!r} (from {where('data.data_path')}) cannot be the mountpoint of data_source: it would "
+            f"cover the whole machine. Set `data_path` to an empty directory such as {DATA_MOUNTPOINT}."
+        )
+    return None
+
+
+RULES: tuple[Rule, ...] = (_cpu_only_takes_the_cpu_libtorch, _a_data_source_is_not_mounted_over_the_root)

@@ -31,7 +31,7 @@ from typing import Any
 
 from prepare.config.fields import TABLE, Table
 from prepare.config.kinds import show
-from prepare.config.schema import Namer, at, problems_message, validate
+from prepare.config.schema import Checked, Namer, at, problems_message, validate
 from prepare.fail import Fail
 from prepare.host import human
 
@@ -75,11 +75,13 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
     return None
 
 
-def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
+def load(path: Path | str, *, table: Table = TABLE) -> Checked:
     """Read, parse and validate `path`; return its [join] table as plain
     nested dicts ({} when the file has no [join]). Raises a permanent Fail
     for an unreadable file, bytes that are not UTF-8, a TOML syntax error
-    (with line and column), and any key or value [join] does not take."""
+    (with line and column), and any key or value [join] does not take:
+    each value of the file is checked here, where it enters, with its line,
+    and `resolve` takes the table as it is."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:
@@ -88,7 +90,7 @@ def load(path: Path | str, *, table: Table = TABLE) -> dict[str, Any]:
     path = Path(path)
     raw = _read(path)
     if raw is None:
-        return {}
+        return Checked()
     _check_trust(path)
     try:
         text = raw.decode("utf-8")
@@ -208,8 +210,7 @@ def _file_type(mode: int) -> str:
     return "not a regular file"
 
 
-def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> dict[str, Any]:
-
+def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> Checked:
     if "join" not in doc:
         typo = next((k for k in doc if _looks_like_join(k)), None)
         if typo is not None:
@@ -218,7 +219,7 @@ def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> dic
                 f"config {path}: there is a [{typo}] table but no [join]; "
                 f"did you mean [join]? fdl-prepare reads only [join]",
             )
-        return {}
+        return Checked()
     join = doc["join"]
     if not isinstance(join, dict):
         shown = "an array of tables ([[join]])" if isinstance(join, list) else f"{show(join)}"
@@ -229,8 +230,7 @@ def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> dic
     problems = validate(join, _file_namer(text), table)
     if problems:
         raise Fail("config.invalid", problems_message(f"config {path}", problems))
-    plain: dict[str, Any] = _plain(join)
-    return plain
+    return Checked(_plain(join))
 
 
 def _looks_like_join(key: str) -> bool:

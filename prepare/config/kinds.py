@@ -25,6 +25,7 @@ from typing import Any
 
 from prepare.fail import Fail
 from prepare.host.redact import credentials, redact
+from prepare.spec import DATA_MOUNTPOINT, DRIVER_DIR
 
 # A problem with one value, or None when it is fine.
 Checker = Callable[[Any], "str | None"]
@@ -175,21 +176,24 @@ def _seconds_within(low: float, high: float, what: str) -> Checker:
 # Absolute, and nothing a shell would have expanded: `~` is taken literally
 # by everything below the shell, and a relative path resolves against the
 # working directory, `/` under systemd.
-def _absolute_path(value: Any) -> str | None:
-    problem = _string(value)
-    if problem is not None:
-        return problem
-    if value.startswith("~"):
-        return (
-            "starts with '~', which only a shell expands (here it would be a directory named '~'): write the "
-            "absolute path, e.g. /var/lib/fdl-prepare"
-        )
-    if not value.startswith("/"):
-        return (
-            "is a relative path, which would resolve against the working directory (`/` under systemd): write "
-            "the absolute path, e.g. /var/lib/fdl-prepare"
-        )
-    return None
+def _absolute_path(example: str) -> Checker:
+    def check(value: Any) -> str | None:
+        problem = _string(value)
+        if problem is not None:
+            return problem
+        if value.startswith("~"):
+            return (
+                "starts with '~', which only a shell expands (here it would be a directory named '~'): write the "
+                f"absolute path, e.g. {example}"
+            )
+        if not value.startswith("/"):
+            return (
+                "is a relative path, which would resolve against the working directory (`/` under systemd): write "
+                f"the absolute path, e.g. {example}"
+            )
+        return None
+
+    return check
 
 
 def _ssh_target(value: Any) -> str | None:
@@ -434,7 +438,7 @@ class Kind:
     # A flag whose text needs more reading than flag_type gives (`--devices 0,1`).
     read_flag: Callable[[str, str], Any] | None = None
     # Into the type the spec declares, in its normal form. Both the config and
-    # check_spec apply it, so a value reaches the steps the same either way.
+    # the plan apply it, so a value reaches the steps the same either way.
     to_spec: Callable[[Any], Any] = _same
     # How a bad value is quoted in a message (a key list hides a secret key).
     show: Callable[[Any], str] = show
@@ -459,7 +463,10 @@ BUILD_SECONDS = Kind(
 # Loading libtorch and waking a GPU takes seconds: under one, every attempt
 # would time out, transient for ever; past a day, a wedged run holds the box.
 SMOKE_SECONDS = Kind("seconds", _seconds_within(1, 86400, "a second to a day"), float, example="60", to_spec=float)
-ABSOLUTE_PATH = Kind("absolute path", _absolute_path, str)
+# The same rule for every path a step is handed, each with its own example.
+STATE_PATH = Kind("absolute path", _absolute_path("/var/lib/fdl-prepare"), str, show=lambda v: _show_short(v))
+DATA_PATH = Kind("absolute path", _absolute_path(DATA_MOUNTPOINT), str, show=lambda v: _show_short(v))
+DRIVER_PATH = Kind("absolute path", _absolute_path(DRIVER_DIR), str, show=lambda v: _show_short(v))
 SSH_HOST = Kind("ssh host", _ssh_target, str)
 SSH_USER = Kind("ssh user", _ssh_user, str)
 

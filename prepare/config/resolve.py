@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from prepare.config.fields import RULES, TABLE, Env, Field, Table, value_at
-from prepare.config.schema import flag_namer, problems_message, validate
+from prepare.config.fields import RULES, TABLE, Field, Table, value_at
+from prepare.config.schema import Checked, flag_namer, problems_message, validate
 from prepare.fail import Fail
 from prepare.spec import Origin, PrepareSpec
 
@@ -45,12 +45,15 @@ def resolve(
     `file` is the [join] table (as `load` returns it); `flags` has the same
     nested shape, with None or a missing key meaning "not given". A given
     list (ssh.options, devices) replaces the file's list; an empty list is
-    given and empty. Both are validated; a bad value is a permanent Fail
-    naming the flag or the key, and so is a combination of values that
-    cannot work together (RULES)."""
-    problems = validate(file, lambda key: (f"join.{key}", None), table)
-    if problems:
-        raise Fail("config.invalid", problems_message("config", problems))
+    given and empty. Each value is checked where it enters, once: the
+    file's by `load` (a table built in code, here), a flag's and a
+    variable's here, naming the flag or the variable. What a combination of
+    values cannot do (RULES), like every other check of the spec as a whole,
+    is the plan's (prepare.plan), on the library's path and this one alike."""
+    if not isinstance(file, Checked):
+        problems = validate(file, lambda key: (f"join.{key}", None), table)
+        if problems:
+            raise Fail("config.invalid", problems_message("config", problems))
     given = _drop_none(flags)
     problems = validate(given, flag_namer(table), table, flags=True)
     if problems:
@@ -68,9 +71,7 @@ def resolve(
         origins[f.spec] = replace(origin, value=value)
         if f.table and (isinstance(file.get(f.table), Mapping) or isinstance(given.get(f.table), Mapping)):
             present.add(f.spec.partition(".")[0])
-    spec = _build(table.spec_type, values, present, origins)
-    _check_rules(spec)
-    return spec
+    return _build(table.spec_type, values, present, origins)
 
 
 def _pick(f: Field, given: Mapping[str, Any], file: Mapping[str, Any], env: Mapping[str, str]) -> Origin:
@@ -82,11 +83,20 @@ def _pick(f: Field, given: Mapping[str, Any], file: Mapping[str, Any], env: Mapp
     value = _get(file, f.key)
     if value is not None:
         return Origin("file", f"join.{f.key}", value)
-    if f.env is not None:
-        value = f.env.read(env)
-        if value:
-            return Origin("environment", f.env.name, value, note=f.env.note)
-    return Origin("default", "the default", f.default)
+    return from_environment(f, env) or Origin("default", "the default", f.default)
+
+
+def from_environment(f: Field, env: Mapping[str, str]) -> Origin | None:
+    """`f`'s default from the environment, checked where it enters (naming
+    the variable); None when the field has none, or it is unset or empty."""
+    value = f.env.read(env) if f.env is not None else None
+    if not value or f.env is None:
+        return None
+    origin = Origin("environment", f.env.name, value, note=f.env.note)
+    problem = f.kind.check(value)
+    if problem is not None:
+        raise Fail("config.invalid", f"environment: {origin} ({f.key}) = {f.kind.show(value)}: {problem}")
+    return origin
 
 
 def _build(
@@ -112,16 +122,21 @@ def _build(
     return spec_type(**top, origins=origins)
 
 
-def check_spec(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
-    """The same checks a config file gets, for a PrepareSpec a join loop
-    built itself: a wrong type or range, or values that cannot work together,
-    is a permanent Fail naming the spec field, before any step runs, never a
-    traceback from deep inside one. Returns the spec with its values in the
-    form resolve gives them (a URL without surrounding spaces)."""
+def checked(spec: PrepareSpec, *, table: Table = TABLE) -> PrepareSpec:
+    """A spec as the plan takes it (prepare.plan calls this, and nothing
+    else does): each value a join loop set in code checked as a config
+    file's would be (a wrong type or range is a permanent Fail naming the
+    spec field, never a traceback from deep inside a step), and the rules
+    across fields (RULES) for every spec, resolved or not. A value that
+    came through `resolve` (its origin still holds) was checked where it
+    entered and is not checked again. Returns the spec with its values in
+    the form resolve gives them (a URL without surrounding spaces)."""
     problems = _shape_problems(spec, table)
     if problems:
         raise Fail("config.invalid", problems_message("PrepareSpec", problems))
     for f in table.fields:
+        if spec.origin(f.spec) is not None:
+            continue
         value = value_at(spec, f.spec)
         if value is None:
             if f.default is not None:
@@ -219,12 +234,6 @@ def _check_rules(spec: PrepareSpec) -> None:
         raise Fail("config.invalid", problems[0])
     if problems:
         raise Fail("config.invalid", f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
-
-
-def env_value(env: Mapping[str, str], name: str) -> str | None:
-    """A default from the environment, None when unset or empty; read as
-    the field it is the default of reads it."""
-    return TABLE.envs.get(name, Env(name)).read(env)
 
 
 def _get(table: Mapping[str, Any], dotted: str) -> Any:

@@ -14,6 +14,13 @@ from typing import Any
 from prepare.config.fields import Table
 from prepare.config.kinds import BOOLEAN, BUILD_SECONDS, DEVICES, LIST_SECONDS, PORT, SECONDS, Kind, kind_of, show
 
+
+class Checked(dict[str, Any]):
+    """A [join] table whose every key and value was checked where it entered
+    (the file, by `load`, each problem with its line): `resolve` takes it as
+    it is, and no value of it is checked twice."""
+
+
 # (full key, line or None) for a dotted key below join.
 Namer = Callable[[str], "tuple[str, int | None]"]
 

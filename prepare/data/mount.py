@@ -28,7 +28,7 @@ from prepare.data import listing
 from prepare.data.url import Source, sshfs_argv
 from prepare.fail import Fail
 from prepare.host import human, mounts, proc
-from prepare.spec import PrepareSpec, SshSpec
+from prepare.spec import SshSpec
 
 # sshfs returns once its connection is up or has failed; a refused key or a
 # closed port takes milliseconds. This bounds what ConnectTimeout does not:
@@ -44,32 +44,32 @@ INSTALL_SSHFS = (
 )
 
 
-def establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[str]) -> None:
+def establish(source: Source, mountpoint: str, ssh: SshSpec, list_timeout_s: float, notes: list[str]) -> None:
     """Leave a listable mount at `mountpoint`: this source's, made or reused,
     or whatever else was there first (named in a note). The caller holds
     the mount lock."""
     existing = mounts.mounted_at(mountpoint)
     if existing is None:
-        _mount(source, mountpoint, spec.ssh, notes)
+        _mount(source, mountpoint, ssh, notes)
         notes.append(f"mounted `{source.remote}` read-only at {mountpoint}")
-        listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
+        listing.verify(mountpoint, list_timeout_s, mounted_from=source)
         return
 
     if _same_source(existing, source):
         try:
-            listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
+            listing.verify(mountpoint, list_timeout_s, mounted_from=source)
         except listing.Disconnected:
             # The sshfs process behind this mount is gone (killed, OOM, a
             # reboot of the far side without reconnect): the kernel answers
             # ENOTCONN forever. It is our own mount of our own source, so
             # replacing it is the repair, not a trespass.
             _unmount(mountpoint)
-            _mount(source, mountpoint, spec.ssh, notes)
+            _mount(source, mountpoint, ssh, notes)
             notes.append(
                 f"the earlier mount of `{source.remote}` at {mountpoint} had lost its sshfs process "
                 f"(transport endpoint not connected); unmounted it and mounted it again read-only"
             )
-            listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source)
+            listing.verify(mountpoint, list_timeout_s, mounted_from=source)
             return
         mode = "read-only" if existing.read_only else "read-write (ranks only read it; ro is expected)"
         notes.append(
@@ -83,7 +83,7 @@ def establish(source: Source, mountpoint: str, spec: PrepareSpec, notes: list[st
         f"configured data_source `{source.url}`; leaving it alone, and the ranks will read whatever is "
         f"mounted there. To mount the configured source instead: `{unmount}`, then run again."
     )
-    listing.verify(mountpoint, spec.list_timeout_s, mounted_from=source, foreign=True)
+    listing.verify(mountpoint, list_timeout_s, mounted_from=source, foreign=True)
 
 
 def _same_source(mount: mounts.Mount, source: Source) -> bool:

@@ -7,8 +7,9 @@ Three shapes, and the empty one is the common case:
 - `data_path` alone: a root provisioning already placed. Verified to be a
   listable directory and shipped absolute, lexically: the path is handed to
   this host's ranks, and resolving symlinks would silently replace what the
-  operator declared. A relative one is refused rather than resolved: it
-  would mean the cwd of whoever started us, which under systemd is `/`;
+  operator declared. A relative one (or one starting with `~`) was refused
+  by the plan (prepare.plan) rather than resolved: it would mean the cwd of
+  whoever started us, which under systemd is `/`;
 - `data_source = "sshfs://[user@]host[:port]/abs/path"`: mounted read-only at
   `data_path` (default `/flodl/data`) unless something is mounted there
   already, which is reused (and named, when it is not the configured source).
@@ -36,70 +37,53 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prepare.fail import Fail
+from prepare.spec import SshSpec
 
 if TYPE_CHECKING:
-    from prepare.spec import PrepareSpec
-
-DEFAULT_DATA_PATH = "/flodl/data"
+    from prepare.data.url import Source
 
 # How long a second prepare waits for the first to finish mounting before it
 # gives up (transient) rather than queueing forever behind a wedged one.
 LOCK_GRACE_S = 15.0
 
 
+@dataclass(frozen=True)
+class DataPlan:
+    """The dataset root's part of the plan (prepare.plan): `path` absolute
+    and lexical (None: nothing declared), the mountpoint when `source` is
+    set; `source` the `sshfs://` source parsed, with the tunnel's defaults;
+    the ssh block the mount uses; and what resolving the source said."""
+
+    path: str | None = None
+    source: Source | None = None
+    ssh: SshSpec = field(default_factory=SshSpec)
+    list_timeout_s: float = 10.0
+    notes: tuple[str, ...] = ()
+
+
 # -- the step ----------------------------------------------------------------
 
 
-def ensure_root(spec: PrepareSpec, notes: list[str]) -> str | None:
+def ensure(plan: DataPlan, notes: list[str]) -> str | None:
     """Put the dataset source root in place and return its absolute path,
     or None when nothing is declared."""
-    data = spec.data
-    if data.data_source is None and data.data_path is None:
+    notes.extend(plan.notes)
+    if plan.path is None:
         return None
     # Imported here: a box that declares no dataset (every CPU worker's
     # re-dial, say) pays nothing for the mount and listing machinery.
-    from prepare.data import listing, mount, url
+    from prepare.data import listing, mount
 
-    if data.data_source is None:
-        assert data.data_path is not None
-        path = _absolute(data.data_path, "data_path")
-        listing.verify(path, spec.list_timeout_s, mounted_from=None)
-        return path
-
-    source = url.with_tunnel_defaults(url.parse_source(data.data_source), spec.ssh, notes)
-    mountpoint = _absolute(data.data_path if data.data_path is not None else DEFAULT_DATA_PATH, "data_path")
-    if mountpoint == "/":
-        raise Fail(
-            "config.invalid",
-            "data_path '/' cannot be the mountpoint of data_source: it would cover the whole "
-            "machine. Set `data_path` to an empty directory such as /flodl/data.",
-        )
-    with _mount_lock(mountpoint, spec.list_timeout_s):
-        mount.establish(source, mountpoint, spec, notes)
-    return mountpoint
-
-
-def _absolute(path: str, field: str) -> str:
-    if not path.strip():
-        raise Fail("config.invalid", f"`{field}` is empty; give an absolute directory such as {DEFAULT_DATA_PATH}.")
-    if "\0" in path:
-        raise Fail("config.invalid", f"`{field}` {path!r} contains a NUL byte; no path can.")
-    expanded = os.path.expanduser(path)
-    if not os.path.isabs(expanded):
-        # Resolving it would use our cwd, which is nobody's choice: `/` under
-        # systemd, wherever a shell happened to be otherwise.
-        shown = f" (expands to {expanded!r})" if expanded != path else ""
-        raise Fail(
-            "config.invalid",
-            f"`{field}` {path!r}{shown} is a relative path; it would resolve against the current "
-            f"directory ({os.getcwd()}; `/` under systemd). Give an absolute directory such as "
-            f"{DEFAULT_DATA_PATH} (flag --data-path).",
-        )
-    # Lexical on purpose: abspath never consults symlinks.
-    return os.path.abspath(expanded)
+    if plan.source is None:
+        listing.verify(plan.path, plan.list_timeout_s, mounted_from=None)
+        return plan.path
+    with _mount_lock(plan.path, plan.list_timeout_s):
+        mount.establish(plan.source, plan.path, plan.ssh, plan.list_timeout_s, notes)
+    return plan.path
 
 
 # -- one mounter at a time ---------------------------------------------------

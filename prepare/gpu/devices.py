@@ -108,10 +108,15 @@ class Gpus:
             return None
         return AMD if len(self.amd_offered) > len(self.offered) else NVIDIA
 
-    def offered_indices_for(self, vendor: str | None) -> tuple[int, ...]:
+    def offered_for(self, vendor: str | None) -> tuple[str | None, tuple[int, ...]]:
+        """The vendor whose cards a run uses, and their indices in its
+        numbering: `vendor`, the built libtorch's, when it has one; else (a
+        CPU build, which leaves the cards idle but offered, or none) the
+        primary vendor's, the numbering `auto` favours."""
+        vendor = vendor or self.primary_vendor
         if vendor == AMD:
-            return () if self.amd is None else self.amd.offered_indices
-        return self.offered_indices
+            return vendor, () if self.amd is None else self.amd.offered_indices
+        return vendor, self.offered_indices
 
     def masked_by(self, index: int) -> str | None:
         """Which mask hides a device: "CUDA_VISIBLE_DEVICES", "devices", or None."""

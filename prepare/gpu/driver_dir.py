@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from prepare.fail import Fail
 from prepare.host import human, proc
 from prepare.host import state as state_mod
+from prepare.spec import DRIVER_DIR
 
-DEFAULT = "/run/opengl-driver/lib"
 KERNEL_VERSION = "/proc/driver/nvidia/version"
 NVML = "libnvidia-ml.so.1"
 CUDA = "libcuda.so.1"
@@ -106,13 +106,6 @@ def ensure(directory: str, notes: list[str]) -> None:
     kernel = kernel_version()
     if kernel is None or is_nixos():
         return
-    if not os.path.isabs(directory):
-        raise Fail(
-            "config.invalid",
-            f"driver_dir = {directory!r} is not an absolute path: Nix-built programs look for the driver at a fixed "
-            f"path. Leave it out for {DEFAULT} (where nixpkgs' addDriverRunpath looks), or give the absolute "
-            "path your flake's programs were built for (--driver-dir)",
-        )
     libraries = _host_libraries(notes)
     if libraries is None:
         return
@@ -341,7 +334,7 @@ def _open_directory(directory: str, libraries: Sequence[Library]) -> int:
         raise _refused(
             directory,
             "is where the host's own libraries are (the linker cache lists its NVIDIA libraries there)",
-            f"leave driver_dir out for {DEFAULT}, or point it at a directory that holds nothing but these links",
+            f"leave driver_dir out for {DRIVER_DIR}, or point it at a directory that holds nothing but these links",
         )
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     current = "/"

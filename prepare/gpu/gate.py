@@ -41,22 +41,31 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from prepare.fail import Fail
 from prepare.gpu import nvml
 from prepare.gpu.devices import AMD, NVIDIA, Device, Gpus
 from prepare.gpu.nvml import CPU_ONLY, NvmlUnusable
+from prepare.spec import DRIVER_DIR
 
 if TYPE_CHECKING:
     from prepare.gpu.amd import AmdGpus
-    from prepare.spec import PrepareSpec
 
-__all__ = ["AMD", "NVIDIA", "Device", "Gpus", "check", "survey"]
+__all__ = ["AMD", "NVIDIA", "Device", "GatePlan", "Gpus", "check", "survey"]
 
-# prepare.driver_dir.DEFAULT, without importing it for `import prepare.gpu.gate`.
-DRIVER_DIR = "/run/opengl-driver/lib"
+
+@dataclass(frozen=True)
+class GatePlan:
+    """The gate's part of the plan (prepare.plan): whether it runs at all,
+    the `devices` mask, how many healthy cards the box must offer, and the
+    driver directory NVML is also looked for in."""
+
+    cpu_only: bool = False
+    devices: tuple[int, ...] | None = None
+    expect_gpus: int | None = None
+    driver_dir: str = DRIVER_DIR
 
 
 def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR) -> Gpus:
@@ -86,25 +95,25 @@ def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR
     return replace(gpus, amd=amd, notes=gpus.notes + amd.notes)
 
 
-def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
+def check(plan: GatePlan, notes: list[str]) -> Gpus | None:
     """The pipeline step: survey, apply `devices`, and refuse a box that
     offers no usable GPU. Every note gathered is appended to `notes`, also
     when a Fail is raised."""
-    if spec.cpu_only:
+    if plan.cpu_only:
         notes.append("GPU gate skipped: cpu_only is set, so only the cpu libtorch variant can be used.")
-        if spec.devices is not None:
-            listed = ",".join(str(i) for i in spec.devices)
+        if plan.devices is not None:
+            listed = ",".join(str(i) for i in plan.devices)
             notes.append(f"devices ({listed}) is ignored with cpu_only: no GPU is offered to the run.")
-        if spec.expect_gpus is not None:
-            notes.append(f"expect_gpus ({spec.expect_gpus}) is ignored with cpu_only: no GPU is checked.")
+        if plan.expect_gpus is not None:
+            notes.append(f"expect_gpus ({plan.expect_gpus}) is ignored with cpu_only: no GPU is checked.")
         return None
 
     from prepare.gpu import driver_dir
 
     # Before NVML: on a box that is not NixOS, this is also where a
     # Nix-built fdl-prepare finds NVML itself.
-    driver_dir.ensure(spec.driver_dir, notes)
-    gpus = survey(driver_dir=spec.driver_dir)
+    driver_dir.ensure(plan.driver_dir, notes)
+    gpus = survey(driver_dir=plan.driver_dir)
     notes.extend(gpus.notes)
     devices = gpus.devices
     amd = gpus.amd
@@ -117,14 +126,14 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             f"needs the GPUs passed in (the NVIDIA container toolkit), {CPU_ONLY}.",
         )
 
-    if spec.devices is not None:
-        wanted = tuple(dict.fromkeys(spec.devices))
+    if plan.devices is not None:
+        wanted = tuple(dict.fromkeys(plan.devices))
         amd_count = 0 if amd is None else amd.runtime_count
         absent = [i for i in wanted if not (0 <= i < len(devices) or 0 <= i < amd_count)]
         if absent and amd is None:
             raise Fail(
                 "gpu.device-absent",
-                f"GPU gate: devices = {list(spec.devices)} (--devices) names "
+                f"GPU gate: devices = {list(plan.devices)} (--devices) names "
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {len(devices)} device(s), indices 0-{len(devices) - 1}. Change devices in [join] "
                 "(or --devices) to indices that exist; `fdl-prepare gpus` lists them.",
@@ -137,7 +146,7 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             ]
             raise Fail(
                 "gpu.device-absent",
-                f"GPU gate: devices = {list(spec.devices)} (--devices) names "
+                f"GPU gate: devices = {list(plan.devices)} (--devices) names "
                 + ", ".join(f"GPU {i}" for i in absent)
                 + f", but this box has {' and '.join(have) or 'no GPU the runtimes can see'} (each vendor numbers "
                 "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
@@ -208,8 +217,8 @@ def check(spec: PrepareSpec, notes: list[str]) -> Gpus | None:
             + " to see every card) or devices in [join] (--devices); `fdl-prepare gpus` lists the cards and what "
             "masks them.",
         )
-    if spec.expect_gpus is not None:
-        _check_expected(gpus, spec.expect_gpus)
+    if plan.expect_gpus is not None:
+        _check_expected(gpus, plan.expect_gpus)
     if amd is not None:
         # The same image serves either vendor: say which cards this box offers.
         lines = [_offered_note(gpus)]

@@ -469,14 +469,18 @@ class PendingFetch:
     def __init__(self, finish: Callable[[], Prefetched], stop: Callable[[], None]) -> None:
         self._finish = finish
         self._stop = stop
+        self._waited = False
 
     def result(self) -> Prefetched:
         """What it fetched; its Fail if it failed."""
+        self._waited = True
         return self._finish()
 
     def stop(self) -> None:
-        """Stop it: for a caller that no longer wants what it fetches."""
-        self._stop()
+        """Stop it, unless it was waited for: for a caller that no longer
+        wants what it fetches (an attempt that failed before it did)."""
+        if not self._waited:
+            self._stop()
 
 
 def _prefetched(url: str, stdout: str, doing: str) -> Prefetched:

@@ -45,16 +45,18 @@ import posixpath
 import stat
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import replace
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from prepare.build import steps as build_mod
-from prepare.build import variants as variants_mod
+from prepare.build import choose, outputs, realise, variants, workspace
 from prepare.build.manifest import FILENAME, Recipe
+from prepare.build.plan import BuildPlan
+from prepare.build.source import Source
 from prepare.config.kinds import ARGUMENTS, STORE_URLS
 from prepare.fail import Fail
 from prepare.nix import caches
+from prepare.plan import default_state_dir, plan
 from prepare.publish import git, manifest
 from prepare.publish.spec import Output, Published, PublishSpec
 from prepare.spec import PrepareSpec, SourceSpec
@@ -78,50 +80,56 @@ def publish(
     """Build, sign and copy every variant, then write the manifest. Raises
     Fail (naming the variant and the step); on any failure, or an
     interruption, the tree holds no manifest."""
-    root, variants, to = _check(spec, notes)
+    root, labels, to = _check(spec, notes)
     manifest_path = os.path.join(root, FILENAME)
     rev = git.rev(root, notes)
     url = source_url(root, rev)
-    box = PrepareSpec(
-        source=SourceSpec(from_=url, cwd=spec.cwd, build=spec.build, bin=spec.bin),
-        libtorch=variants[0],
-        flake=spec.flake,
-        state_dir=spec.state_dir or os.path.join(build_mod.default_state_dir(), "publish"),
-        build_timeout_s=spec.build_timeout_s,
-    )
+    # The build as a box plans it: the flake and the source URL pinned, the
+    # recipe's values checked, the state directory named.
+    build = plan(
+        PrepareSpec(
+            source=SourceSpec(
+                from_=url, cwd=spec.cwd, build=spec.build if spec.build and spec.build.strip() else None, bin=spec.bin
+            ),
+            libtorch=labels[0],
+            flake=spec.flake,
+            state_dir=spec.state_dir or os.path.join(default_state_dir(env or os.environ)[0], "publish"),
+            build_timeout_s=spec.build_timeout_s,
+        ),
+        env,
+    ).build
+    assert build is not None
     timings: dict[str, float] = {}
-    outputs: dict[str, Output] = {}
+    made: dict[str, Output] = {}
     started = time.monotonic()
     # Everything that can be checked is, before the live manifest goes: the
     # state directory, Nix, the flake and its variants, the tree as the
     # boxes fetch it and the recipe's cwd in it. A typo must not take the
     # fleet's current run offline.
-    with build_mod.start(box, notes, progress, nix_program=nix_program, env=env) as session:
-        build_mod.lock_flake(session)
-        known = _flake_variants(session)
-        missing = [v for v in variants if v not in known]
+    with ExitStack() as held:
+        ws = workspace.open(build, notes, progress, held, nix_program=nix_program, env=env)
+        flake = choose.pin(ws, build.flake)
+        known = variants.parse_variants(choose.evaluate(ws, flake, "--flake"), build.flake)
+        missing = [v for v in labels if v not in known]
         if missing:
             raise Fail(
                 "publish.invalid",
-                f"--variant {', '.join(repr(v) for v in missing)}: not a variant of the flake {session.flake!r}, "
+                f"--variant {', '.join(repr(v) for v in missing)}: not a variant of the flake {build.flake!r}, "
                 f"which has: {', '.join(sorted(known))}. Publish the variants the boxes pick (their libtorch)",
             )
-        session.step("fetch", f"training source {url}")
-        fetched = session.nix.prefetch(
-            url, doing=f"fetching the training source {url!r}", unreachable="source.unreachable"
-        )
-        source = build_mod.Source(fetched=fetched, recipe=_recipe(spec, fetched.store_path))
+        ws.step("fetch", f"training source {url}")
+        fetched = ws.nix.prefetch(url, doing=f"fetching the training source {url!r}", unreachable="source.unreachable")
+        source = Source(fetched=fetched, recipe=_recipe(spec, fetched.store_path))
         manifest.remove(manifest_path, notes)
-        for label in variants:
-            session.spec = replace(box, libtorch=label)
-            outputs[label] = _variant(session, known[label], source, to, spec.signing_key, timings)
+        for label in labels:
+            made[label] = _variant(ws, build, flake, known[label], source, to, spec.signing_key, timings, notes)
         timings["variants"] = round(time.monotonic() - started, 4)
     if rev is not None:
         # The manifest must sit on the tree that was built: a commit made
         # meanwhile would make it describe one nobody built.
         git.same_head(root, rev)
     run_id = manifest.new_run_id()
-    text = manifest.text(spec, run_id, rev, to, list(outputs))
+    text = manifest.text(spec, run_id, rev, to, list(made))
     manifest.write(manifest_path, text)
     notes.append(f"run {run_id}: manifest written to {manifest_path}")
     commit, pushed, next_step = git.commit_and_push(root, rev, run_id, commit=spec.commit, push=spec.push)
@@ -129,7 +137,7 @@ def publish(
         run_id=run_id,
         manifest=manifest_path,
         to=to,
-        outputs=outputs,
+        outputs=made,
         rev=rev,
         commit=commit,
         pushed=pushed,
@@ -251,24 +259,27 @@ def _recipe(spec: PublishSpec, tree: str) -> Recipe:
 # -- the flake ------------------------------------------------------------------------------------
 
 
-def _flake_variants(session: build_mod.Session) -> dict[str, variants_mod.Variant]:
-    """The flake's variants, read as the boxes read them (evaluation only)."""
-    return variants_mod.parse_variants(build_mod.evaluate_variants(session, "--flake"), session.flake)
-
-
 def _variant(
-    session: build_mod.Session,
-    variant: variants_mod.Variant,
-    source: build_mod.Source,
+    ws: workspace.Workspace,
+    build: BuildPlan,
+    flake: choose.Flake,
+    variant: variants.Variant,
+    source: Source,
     to: str,
     key_file: str,
     timings: dict[str, float],
+    notes: list[str],
 ) -> Output:
-    """Build, sign and copy one variant; a failure names it and the step."""
+    """Build (the box's step 7, with GC roots of its own per variant), sign
+    and copy one variant; a failure names it and the step."""
     label = variant.label
     with _step(label, "build", timings):
-        built = build_mod.build_outputs(session, variant, source, link=f"publish-{label}")
-    if built.libtorch is None or built.bin is None:
+        out_link = os.path.join(ws.state, "gcroots", f"publish-{label}")
+        results, log = realise.realise(ws, flake.fdl, variant, source, out_link, build.build_timeout_s)
+        outputs.prune_links(out_link, outputs.store_paths(results))
+        built = realise.built(build.flake, variant, source, results, log, notes)
+        caches.note(log, build.nix.substituters, notes)
+    if built.bin is None:
         raise Fail(
             "flake.contract-broken",
             f"variant {label}: the build made no training binary; the flake breaks the contract",
@@ -276,13 +287,13 @@ def _variant(
     training = os.path.dirname(os.path.dirname(built.bin.path))
     paths = [built.libtorch.path, training]
     with _step(label, "sign", timings):
-        session.step("sign", f"{label}: the closure of {', '.join(os.path.basename(p) for p in paths)}")
-        session.nix.sign(paths, key_file, doing=f"signing the {label} outputs with --signing-key {key_file}")
+        ws.step("sign", f"{label}: the closure of {', '.join(os.path.basename(p) for p in paths)}")
+        ws.nix.sign(paths, key_file, doing=f"signing the {label} outputs with --signing-key {key_file}")
     with _step(label, "copy", timings):
-        session.step("copy", f"{label} to {caches.uri(to)}")
-        log = session.nix.copy(paths, to, doing=f"copying the {label} outputs to {caches.uri(to)} (--to)")
+        ws.step("copy", f"{label} to {caches.uri(to)}")
+        log = ws.nix.copy(paths, to, doing=f"copying the {label} outputs to {caches.uri(to)} (--to)")
     copied = len(log.copies())
-    session.notes.append(
+    notes.append(
         f"variant {label}: built, signed and copied to {caches.uri(to)}"
         + (f" ({copied} path{'s' if copied != 1 else ''} new there)" if copied else " (all there already)")
         + f": {training}"
