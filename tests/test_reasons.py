@@ -72,16 +72,19 @@ def test_a_fail_carries_its_reason_into_json_beside_kind_and_message(reason: Rea
     assert reason in repr(fail)
 
 
-def test_every_nix_diagnosis_category_has_a_reason():
-    assert set(nix_diagnosis._FIXES) == set(nix_diagnosis.REASONS)
+def test_every_cause_of_the_nix_diagnosis_is_a_row_of_its_table_but_the_one_explain_tells_apart():
+    causes = {v for v in vars(nix_diagnosis).values() if isinstance(v, nix_diagnosis.Cause)}
+    assert causes - {row.cause for row in nix_diagnosis.ROWS} == {nix_diagnosis.FLAKE_BUILDER}
+    # Each cause has a name of its own: the rows of one cause share it.
+    assert len({c.category for c in causes}) == len(causes)
 
 
 def test_a_fetch_of_the_training_source_is_source_unreachable_and_any_other_fetch_nix_fetch():
-    diagnosis = nix_diagnosis.Diagnosis("fetch", False, "unable to download 'https://x': Couldn't resolve host")
+    diagnosis = nix_diagnosis.Diagnosis(nix_diagnosis.FETCH_FAILED, "unable to download 'https://x': no host")
     assert nix_diagnosis.failure(diagnosis, "fetching x").reason == "nix.fetch"
     fail = nix_diagnosis.failure(diagnosis, "fetching x", unreachable="source.unreachable")
     assert fail.reason == "source.unreachable" and not fail.permanent
-    builder = nix_diagnosis.Diagnosis("build-users", True, "the group 'nixbld' specified in 'build-users-group'")
+    builder = nix_diagnosis.Diagnosis(nix_diagnosis.BUILD_USERS, "the group 'nixbld' specified in 'build-users-group'")
     assert nix_diagnosis.failure(builder, "building", unreachable="source.unreachable").reason == (
         "nix.build-users-missing"
     )

@@ -6,6 +6,11 @@ zero/non-zero: `nix build` exits 1 for a failed builder where `nix-store
 --realise` exits 100, and the daemon and remote builders lose the 1xx codes
 (NixOS/nix #8782, #4813, #12641).
 
+The diagnosis is a table: `ROWS`, in order, each a cause (`Cause`: its
+name, its reason code, and so its kind, and the fix the operator is told),
+what the call's words must match, and the phases it applies to; the first
+row that matches is the diagnosis.
+
 Nix words the same failure differently across versions, so the patterns
 match the meaning rather than one version's spelling; where one is there for
 a version's own words, the comment beside it says which version said what.
@@ -18,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from prepare.fail import Fail, Reason
+from prepare.fail import PERMANENT, REASONS, Fail, Reason
 from prepare.host.redact import redact
 from prepare.nix.log import Activity, Log
 
@@ -177,18 +183,171 @@ def _pattern(source: str) -> re.Pattern[str]:
     return re.compile(source, re.IGNORECASE)
 
 
+# -- what a failure comes down to ----------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class Diagnosis:
-    # hash-mismatch, no-space, build-users, daemon-refused, store-permission, build-dir, daemon, timeout,
-    # builder, flake-builder, bad-url, host-key, fetch, evaluation, unknown; a publish's: signing,
-    # cache-refused, cache
+class Cause:
+    """What a failed nix call comes down to: its name, its reason code (and
+    so its kind, prepare.fail.REASONS), and the fix an operator is told."""
+
     category: str
-    permanent: bool
-    detail: str
+    reason: Reason
+    fix: str
 
 
-def _store_permission(text: str) -> bool:
-    for line in text.splitlines():
+HASH_MISMATCH = Cause(
+    "hash-mismatch",
+    "nix.hash-mismatch",
+    "a pinned hash is wrong; retrying fetches the same bytes. Update the hash in the flake "
+    "(the 'got:' value above) or the pin that produced it",
+)
+NO_SPACE = Cause(
+    "no-space",
+    "nix.no-space",
+    "the Nix store's disk is full: free space with `nix-collect-garbage -d` (or `nix-store --gc`) "
+    "or grow the disk, then run again",
+)
+BUILD_DIR_FULL = Cause(
+    "build-dir-full",
+    "nix.no-space",
+    "the disk Nix builds on is full (the build directory, under TMPDIR={build_dir}), not the "
+    "training source: see `df -h {build_dir}`, free space there or point TMPDIR at a larger disk (a build of "
+    "libtorch and a training binary needs gigabytes), then run again",
+)
+BUILD_USERS = Cause(
+    "build-users",
+    "nix.build-users-missing",
+    "this is the Nix installation, not the flake: Nix builds as the members of its "
+    "build-users-group, and that group does not exist. On Debian/Ubuntu install the package that "
+    "creates it and the nixbld users: `sudo apt-get install nix-setup-systemd` (scripts/setup does); "
+    "elsewhere create the group and its users as the Nix manual's multi-user installation says",
+)
+DAEMON_REFUSED = Cause(
+    "daemon-refused",
+    "nix.daemon-refused",
+    "this is the Nix installation, not the flake: the Nix daemon refuses this user. On "
+    "Debian/Ubuntu add it to the nix-users group (`sudo usermod -aG nix-users $USER`, then log in "
+    "again); elsewhere add it to allowed-users in /etc/nix/nix.conf and restart nix-daemon",
+)
+SIGNING = Cause(
+    "signing",
+    "publish.signing-failed",
+    "check that --signing-key names a Nix secret key file (`nix key generate-secret --key-name NAME "
+    "> FILE`; the boxes trust its public half), and that this user may add signatures to the store (root, or "
+    "one of the daemon's trusted-users)",
+)
+CACHE_REFUSED = Cause(
+    "cache-refused",
+    "publish.cache-refused",
+    "the cache refused the copy, or --to names no store Nix can write: check the URL "
+    "(file:///dir, s3://bucket, ssh-ng://user@host, ...) and that this user may write there; publishing "
+    "again copies everything",
+)
+CACHE = Cause(
+    "cache",
+    "publish.cache-unreachable",
+    "the cache could not be reached or the copy broke off: check its server and the network; "
+    "publishing again copies only what is missing",
+)
+STORE_PERMISSION = Cause(
+    "store-permission",
+    "nix.store-not-writable",
+    "this user cannot write the Nix store: run as the store's owner (root on a single-user "
+    "install) or through the daemon (NIX_REMOTE=daemon, with nix-daemon running)",
+)
+BUILD_DIR = Cause(
+    "build-dir",
+    "nix.build-dir",
+    "this is the Nix installation, not the flake or the training source: Nix's build users cannot "
+    "enter the directory builds run in (the TMPDIR of whoever runs the builds: nix-daemon's, or this "
+    "process's for a single-user Nix). Make it enterable (`chmod 755`, or `chmod 1777` like /tmp), or "
+    "point TMPDIR at one that is",
+)
+DAEMON = Cause(
+    "daemon",
+    "nix.daemon-unreachable",
+    "this is the Nix installation, not the flake: the Nix daemon is not reachable. Start it: "
+    "`sudo systemctl start nix-daemon.socket nix-daemon` (Debian/Ubuntu: it comes with "
+    "`sudo apt-get install nix-setup-systemd`); the next attempt retries",
+)
+TIMEOUT = Cause(
+    "timeout",
+    "nix.timeout",
+    "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
+    "slow; the next attempt retries",
+)
+BUILDER = Cause(
+    "builder",
+    "nix.build-failed",
+    "the build itself failed: fix the training source and publish again; the next attempt retries",
+)
+# Not in the table: `explain` tells it from BUILDER by which build failed.
+FLAKE_BUILDER = Cause(
+    "flake-builder",
+    "nix.flake-build-failed",
+    "a build the flake itself provides failed, not the training build: fix the flake (or "
+    "its toolchain) and point flake (--flake) at the fixed revision; retrying builds the same "
+    "thing again. A builder that cannot find its tools (`command not found`, `executing "
+    "'/bin/sh'`) relies on host programs that Nix's build sandbox (sandbox = true) hides",
+)
+BAD_URL = Cause(
+    "bad-url",
+    "nix.bad-url",
+    "Nix cannot parse the URL quoted above (or, for a file:// URL, finds no archive where it points), and "
+    "no retry will: correct source.from in [join.source] (--source) or flake (--flake), whichever it is (or the "
+    "input the flake declares with it)",
+)
+HOST_KEY = Cause(
+    "host-key",
+    "nix.host-key",
+    "ssh refused the git host's key (unknown to known_hosts, or another than it holds), and no retry "
+    "records one: compare `ssh-keyscan [-p PORT] HOST` (`| ssh-keygen -lf -` for its fingerprints) with the key "
+    "the host's operator gives, then add it to the known_hosts file of the user fdl-prepare runs as (root: "
+    "/root/.ssh/known_hosts; `ssh-keygen -R HOST` first drops a changed one)",
+)
+FETCH_FAILED = Cause("fetch", "nix.fetch", "check the network, the URL and its ref; the next attempt retries")
+UNKNOWN = Cause("unknown", "nix.unknown", "the next attempt retries")
+EVALUATION_FAILED = Cause(
+    "evaluation", "nix.evaluation", "fix the flake, or point `flake` (--flake) at one that evaluates"
+)
+
+
+# -- the table: the first row that matches is the diagnosis ------------------------------------
+
+
+@dataclass(frozen=True)
+class Said:
+    """What a failed call said, as the rows read it."""
+
+    phase: str
+    # Nix's error records (or, with none, the plain lines).
+    errors: str
+    # The failed builds' own log lines.
+    build_logs: str
+    # Plain lines, where git and ssh write the actual cause.
+    other: str
+    error_records: bool
+    builds_started: bool
+
+
+Match = Callable[[Said], bool]
+
+
+def _in_errors(pattern: str) -> Match:
+    return lambda said: bool(_pattern(pattern).search(said.errors))
+
+
+def _in_build_logs(pattern: str) -> Match:
+    return lambda said: bool(_pattern(pattern).search(said.build_logs))
+
+
+def _in_errors_or_other(pattern: str) -> Match:
+    return lambda said: bool(_pattern(pattern).search(said.errors) or _pattern(pattern).search(said.other))
+
+
+def _store_permission(said: Said) -> bool:
+    for line in said.errors.splitlines():
         low = line.lower()
         if ("permission denied" in low or "operation not permitted" in low or "read-only file system" in low) and (
             "/nix/" in line or "big-lock" in low or "store" in low
@@ -197,152 +356,92 @@ def _store_permission(text: str) -> bool:
     return False
 
 
-def _build_logs(log: Log) -> str:
-    return "\n".join(line for act in log.builds() for line in act.log)
+def _not_the_daemon(said: Said) -> bool:
+    return not _pattern(_DAEMON).search(said.errors)
+
+
+@dataclass(frozen=True)
+class Row:
+    cause: Cause
+    when: Match
+    # The phases the row applies to; empty: every phase.
+    phases: frozenset[str] = frozenset()
+
+
+# Specific causes first: they can surface in any phase (a full store stops a
+# fetch as surely as a build; a URL that does not parse is permanent even in
+# a fetch, where any other error is taken for the network's). Then the
+# phase decides: an evaluation error is permanent, a failed fetch
+# transient, and in a build call an error with no build started is the
+# evaluation of the overridden flake (permanent) while an error after one
+# is the builder's (transient).
+ROWS: tuple[Row, ...] = (
+    Row(HASH_MISMATCH, _in_errors(_HASH_MISMATCH)),
+    Row(NO_SPACE, _in_errors(_NO_SPACE)),
+    # The builder's own disk (the build directory, under TMPDIR) filled up:
+    # its log says so, Nix's error only that it failed.
+    Row(BUILD_DIR_FULL, _in_build_logs(_NO_SPACE), frozenset({BUILD})),
+    Row(BUILD_USERS, _in_errors(_BUILD_USERS)),
+    Row(DAEMON_REFUSED, _in_errors(_DAEMON_REFUSED)),
+    # A publish's signing is always the key or the store's rules; its copy
+    # is refused (permanent) or the cache's server or the network
+    # (transient: publishing again copies what is missing). A daemon that
+    # is not there is the daemon's row, below, whatever the call.
+    Row(SIGNING, _not_the_daemon, frozenset({SIGN})),
+    Row(CACHE_REFUSED, lambda said: _not_the_daemon(said) and _in_errors(_CACHE_REFUSED)(said), frozenset({COPY})),
+    Row(CACHE, _not_the_daemon, frozenset({COPY})),
+    Row(STORE_PERMISSION, _store_permission),
+    Row(BUILD_DIR, lambda said: _in_errors(_BUILD_DIR)(said) or _in_build_logs(_BUILD_DIR)(said)),
+    Row(DAEMON, _in_errors(_DAEMON)),
+    Row(TIMEOUT, _in_errors(_TIMEOUT)),
+    Row(
+        BUILDER,
+        lambda said: _in_errors(_BUILDER)(said) or (said.builds_started and not said.error_records),
+        frozenset({BUILD}),
+    ),
+    Row(BAD_URL, lambda said: said.error_records and _in_errors(_BAD_URL)(said)),
+    Row(HOST_KEY, _in_errors_or_other(_HOST_KEY)),
+    Row(FETCH_FAILED, _in_errors_or_other(_FETCH)),
+    # Killed, crashed, or a failure with nothing said: nothing shows it
+    # would fail again.
+    Row(UNKNOWN, lambda said: not said.error_records),
+    Row(FETCH_FAILED, lambda said: True, frozenset({FETCH})),
+    Row(BUILDER, lambda said: said.builds_started, frozenset({BUILD})),
+    Row(EVALUATION_FAILED, lambda said: True),
+)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    cause: Cause
+    detail: str
+
+    @property
+    def category(self) -> str:
+        return self.cause.category
+
+    @property
+    def permanent(self) -> bool:
+        return REASONS[self.cause.reason].kind == PERMANENT
 
 
 def diagnose(phase: str, log: Log, returncode: int | None = None) -> Diagnosis:
-    """Why a nix call failed, and whether retrying could help.
-
-    Specific causes first (they can surface in any phase: a full store stops
-    a fetch as surely as a build; a URL that does not parse is permanent even
-    in a fetch, where any other error is taken for the network's), then the
-    phase decides: an evaluation error
-    is permanent, a failed fetch transient, and in a build call an error with
-    no build started is the evaluation of the overridden flake (permanent)
-    while an error after one is the builder's (transient)."""
+    """Why a nix call failed, and whether retrying could help: the first
+    row of ROWS for the call's phase that what it said matches."""
     text = log.error_text()
     detail = text.strip() or (
         f"nix exited with status {returncode} and wrote no error" if returncode else "no error text"
     )
-    if _pattern(_HASH_MISMATCH).search(text):
-        return Diagnosis("hash-mismatch", True, detail)
-    if _pattern(_NO_SPACE).search(text):
-        return Diagnosis("no-space", True, detail)
-    # The builder's own disk (the build directory, under TMPDIR) filled up:
-    # its log says so, Nix's error only that it failed.
-    if phase == BUILD and _pattern(_NO_SPACE).search(_build_logs(log)):
-        return Diagnosis("build-dir-full", True, detail)
-    if _pattern(_BUILD_USERS).search(text):
-        return Diagnosis("build-users", True, detail)
-    if _pattern(_DAEMON_REFUSED).search(text):
-        return Diagnosis("daemon-refused", True, detail)
-    if phase in (SIGN, COPY) and not _pattern(_DAEMON).search(text):
-        return _publish_step(phase, text, detail)
-    if _store_permission(text):
-        return Diagnosis("store-permission", True, detail)
-    if _pattern(_BUILD_DIR).search(text) or _pattern(_BUILD_DIR).search(_build_logs(log)):
-        return Diagnosis("build-dir", True, detail)
-    if _pattern(_DAEMON).search(text):
-        return Diagnosis("daemon", False, detail)
-    if _pattern(_TIMEOUT).search(text):
-        return Diagnosis("timeout", False, detail)
-    if phase == BUILD and (_pattern(_BUILDER).search(text) or (log.builds() and not log.errors)):
-        return Diagnosis("builder", False, detail)
-    if log.errors and _pattern(_BAD_URL).search(text):
-        return Diagnosis("bad-url", True, detail)
-    if _pattern(_HOST_KEY).search(text) or _pattern(_HOST_KEY).search("\n".join(log.other)):
-        return Diagnosis("host-key", True, detail)
-    if _pattern(_FETCH).search(text) or _pattern(_FETCH).search("\n".join(log.other)):
-        return Diagnosis("fetch", False, detail)
-    if not log.errors:
-        # Killed, crashed, or a failure with nothing said: nothing shows it
-        # would fail again.
-        return Diagnosis("unknown", False, detail)
-    if phase == FETCH:
-        return Diagnosis("fetch", False, detail)
-    if phase == BUILD and log.builds():
-        return Diagnosis("builder", False, detail)
-    return Diagnosis("evaluation", True, detail)
-
-
-def _publish_step(phase: str, text: str, detail: str) -> Diagnosis:
-    """A publish's signing (always the key or the store's rules, so
-    permanent) or copy (a refusal is permanent; anything else, the cache's
-    server or the network, transient: publishing again copies what is
-    missing)."""
-    if phase == SIGN:
-        return Diagnosis("signing", True, detail)
-    if _pattern(_CACHE_REFUSED).search(text):
-        return Diagnosis("cache-refused", True, detail)
-    return Diagnosis("cache", False, detail)
-
-
-_FIXES = {
-    "hash-mismatch": "a pinned hash is wrong; retrying fetches the same bytes. Update the hash in the flake "
-    "(the 'got:' value above) or the pin that produced it",
-    "no-space": "the Nix store's disk is full: free space with `nix-collect-garbage -d` (or `nix-store --gc`) "
-    "or grow the disk, then run again",
-    "build-dir-full": "the disk Nix builds on is full (the build directory, under TMPDIR={build_dir}), not the "
-    "training source: see `df -h {build_dir}`, free space there or point TMPDIR at a larger disk (a build of "
-    "libtorch and a training binary needs gigabytes), then run again",
-    "store-permission": "this user cannot write the Nix store: run as the store's owner (root on a single-user "
-    "install) or through the daemon (NIX_REMOTE=daemon, with nix-daemon running)",
-    "build-users": "this is the Nix installation, not the flake: Nix builds as the members of its "
-    "build-users-group, and that group does not exist. On Debian/Ubuntu install the package that "
-    "creates it and the nixbld users: `sudo apt-get install nix-setup-systemd` (scripts/setup does); "
-    "elsewhere create the group and its users as the Nix manual's multi-user installation says",
-    "daemon-refused": "this is the Nix installation, not the flake: the Nix daemon refuses this user. On "
-    "Debian/Ubuntu add it to the nix-users group (`sudo usermod -aG nix-users $USER`, then log in "
-    "again); elsewhere add it to allowed-users in /etc/nix/nix.conf and restart nix-daemon",
-    "build-dir": "this is the Nix installation, not the flake or the training source: Nix's build users cannot "
-    "enter the directory builds run in (the TMPDIR of whoever runs the builds: nix-daemon's, or this "
-    "process's for a single-user Nix). Make it enterable (`chmod 755`, or `chmod 1777` like /tmp), or "
-    "point TMPDIR at one that is",
-    "daemon": "this is the Nix installation, not the flake: the Nix daemon is not reachable. Start it: "
-    "`sudo systemctl start nix-daemon.socket nix-daemon` (Debian/Ubuntu: it comes with "
-    "`sudo apt-get install nix-setup-systemd`); the next attempt retries",
-    "timeout": "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
-    "slow; the next attempt retries",
-    "builder": "the build itself failed: fix the training source and publish again; the next attempt retries",
-    "flake-builder": "a build the flake itself provides failed, not the training build: fix the flake (or "
-    "its toolchain) and point flake (--flake) at the fixed revision; retrying builds the same "
-    "thing again. A builder that cannot find its tools (`command not found`, `executing "
-    "'/bin/sh'`) relies on host programs that Nix's build sandbox (sandbox = true) hides",
-    "bad-url": "Nix cannot parse the URL quoted above (or, for a file:// URL, finds no archive where it points), and "
-    "no retry will: correct source.from in [join.source] (--source) or flake (--flake), whichever it is (or the "
-    "input the flake declares with it)",
-    "fetch": "check the network, the URL and its ref; the next attempt retries",
-    "host-key": "ssh refused the git host's key (unknown to known_hosts, or another than it holds), and no retry "
-    "records one: compare `ssh-keyscan [-p PORT] HOST` (`| ssh-keygen -lf -` for its fingerprints) with the key "
-    "the host's operator gives, then add it to the known_hosts file of the user fdl-prepare runs as (root: "
-    "/root/.ssh/known_hosts; `ssh-keygen -R HOST` first drops a changed one)",
-    "evaluation": "fix the flake, or point `flake` (--flake) at one that evaluates",
-    "unknown": "the next attempt retries",
-    "signing": "check that --signing-key names a Nix secret key file (`nix key generate-secret --key-name NAME "
-    "> FILE`; the boxes trust its public half), and that this user may add signatures to the store (root, or "
-    "one of the daemon's trusted-users)",
-    "cache-refused": "the cache refused the copy, or --to names no store Nix can write: check the URL "
-    "(file:///dir, s3://bucket, ssh-ng://user@host, ...) and that this user may write there; publishing "
-    "again copies everything",
-    "cache": "the cache could not be reached or the copy broke off: check its server and the network; "
-    "publishing again copies only what is missing",
-}
-
-# The reason code of each category (README: Reason codes). Its kind is the
-# Diagnosis's, decided in `diagnose`; tests/test_reasons.py holds the two to
-# the README's table.
-REASONS: dict[str, Reason] = {
-    "hash-mismatch": "nix.hash-mismatch",
-    "no-space": "nix.no-space",
-    "build-dir-full": "nix.no-space",
-    "build-users": "nix.build-users-missing",
-    "daemon-refused": "nix.daemon-refused",
-    "store-permission": "nix.store-not-writable",
-    "build-dir": "nix.build-dir",
-    "daemon": "nix.daemon-unreachable",
-    "timeout": "nix.timeout",
-    "builder": "nix.build-failed",
-    "flake-builder": "nix.flake-build-failed",
-    "bad-url": "nix.bad-url",
-    "fetch": "nix.fetch",
-    "host-key": "nix.host-key",
-    "evaluation": "nix.evaluation",
-    "unknown": "nix.unknown",
-    "signing": "publish.signing-failed",
-    "cache-refused": "publish.cache-refused",
-    "cache": "publish.cache-unreachable",
-}
+    said = Said(
+        phase=phase,
+        errors=text,
+        build_logs="\n".join(line for act in log.builds() for line in act.log),
+        other="\n".join(log.other),
+        error_records=bool(log.errors),
+        builds_started=bool(log.builds()),
+    )
+    cause = next(row.cause for row in ROWS if (not row.phases or phase in row.phases) and row.when(said))
+    return Diagnosis(cause, detail)
 
 
 def failure(
@@ -357,26 +456,27 @@ def failure(
     """An operator-facing Fail: what was being done, what Nix said, the fix.
 
     `fix` is the caller's word for an evaluation error only (it knows which
-    setting names the flake); every other category has one cause whatever
-    the call, and its own fix: an input fetch that fails while the flake is
-    evaluated is the network's fault, not the flake's, and says retry.
+    setting names the flake); every other cause has one whatever the call,
+    and its own fix: an input fetch that fails while the flake is evaluated
+    is the network's fault, not the flake's, and says retry.
 
     `unreachable` is the reason a failed fetch gets: the caller knows
     whether the fetch was the training source's (`source.unreachable`) or an
     input of the flake's (`nix.fetch`)."""
+    cause = diagnosis.cause
     detail = _clip(diagnosis.detail)
     # Nix words the same refusal differently across versions (2.26 and 2.34
     # take an unparsable URL for a relative path); the operator and a
     # fleet's log search get the same words from every version.
-    said = "Nix refused the URL (it is not a valid URL to Nix): " if diagnosis.category == "bad-url" else ""
+    said = "Nix refused the URL (it is not a valid URL to Nix): " if cause is BAD_URL else ""
     message = f"{doing} failed: {said}{detail}"
     if extra:
         message += f"\n{extra}"
-    chosen = fix if fix and diagnosis.category == EVALUATION else _FIXES[diagnosis.category]
-    if diagnosis.category == "build-dir-full":
+    chosen = fix if fix and cause is EVALUATION_FAILED else cause.fix
+    if cause is BUILD_DIR_FULL:
         chosen = chosen.format(build_dir=build_dir)
     message += f"\nFix: {chosen}"
-    reason = unreachable if diagnosis.category == "fetch" else REASONS[diagnosis.category]
+    reason = unreachable if cause is FETCH_FAILED else cause.reason
     # Nix and git quote URLs as they found them, a flake's own inputs too.
     return Fail(reason, redact(message))
 
@@ -402,9 +502,9 @@ def explain(
     the lines of the log that name the cause."""
     diagnosis = diagnose(phase, log, returncode)
     extra = ""
-    if diagnosis.category == "builder" and not _builds_from(log.failed_build(), source_path):
-        diagnosis = Diagnosis("flake-builder", True, diagnosis.detail)
-    if diagnosis.category in ("builder", "flake-builder", "timeout", "build-dir-full"):
+    if diagnosis.cause is BUILDER and not _builds_from(log.failed_build(), source_path):
+        diagnosis = Diagnosis(FLAKE_BUILDER, diagnosis.detail)
+    if diagnosis.cause in (BUILDER, FLAKE_BUILDER, TIMEOUT, BUILD_DIR_FULL):
         failed = log.failed_build()
         if failed is not None and failed.log:
             extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
