@@ -36,9 +36,9 @@ python3Packages.buildPythonApplication {
   src = appSrc;
 
   build-system = [ python3Packages.setuptools ];
+  # rich: the live progress display on a terminal (the `live` extra).
   dependencies = with python3Packages; [
     nvidia-ml-py
-    typer
     rich
   ];
 

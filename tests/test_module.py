@@ -25,7 +25,7 @@ import pytest
 from module_fixtures import NIX_CONFIG, EvalError
 
 from prepare import config as prepare_config
-from prepare.cli.app import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT, EXIT_USAGE
+from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT, EXIT_USAGE
 from prepare.config.fields import TABLE
 from prepare.fail import Fail
 

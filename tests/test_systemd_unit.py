@@ -20,7 +20,7 @@ import pytest
 from console import console_script
 from module_fixtures import REPO
 
-from prepare.cli.app import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT
+from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT
 
 UNIT = REPO / "systemd" / "fdl-prepare.service"
 DOCS = REPO / "README.md"

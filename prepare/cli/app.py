@@ -1,60 +1,56 @@
 """The `fdl-prepare` command: flags and config in, a summary and an exit code out.
 
-Only this module prints (besides `print_notes`) and only `main` exits. The
-exit code carries the permanent/transient split so a shell loop or systemd can
-act on it without parsing text: 0 prepared, 75 transient (EX_TEMPFAIL: retry),
-78 permanent (EX_CONFIG: stop), 2 usage, 70 a bug (EX_SOFTWARE: stop), 130
-interrupted.
+The options come from the field table (prepare.config.fields): one per
+[join] key, defaulting to "not given", so defaults and precedence live in
+prepare.config.resolve alone. The commands are the default one (prepare
+this box), `gpus` (the survey), `publish` (build once, substitute
+everywhere) and `completion` (a shell's completion script, made from this
+parser). Only this package prints (besides `print_notes`), and every
+outcome, with its exit code, is written by prepare.cli.report.
 
-An exception that is not a `Fail` is a bug in fdl-prepare, never the box's
-state: it is reported with its traceback and exits 70, which the units do not
-retry (a bug retried every 10 s for ever hides itself in the journal), where
-Python's own exit 1 would be retried as if transient.
-
-Output that cannot be written is no bug either (`_Output`). stdout carries
-the result a caller reads (`--json`): when it cannot take it, an attempt that
-prepared the box exits 78 for a full disk (ENOSPC, EDQUOT, EFBIG, EROFS: a
-person frees space, as for every other full disk) and 75 otherwise (EPIPE: the
-reader went away, a journal restarted; EIO), since the caller never got the
-answer. stderr carries only what people read: a failure to write it leaves
-the exit code the outcome's.
-
-Heavy modules (the steps, pynvml, rich) are imported inside the commands so
-`--help` stays fast.
+The parser is the standard library's argparse, and the steps, pynvml and
+rich are imported inside the commands: a warm attempt and `--help` pay for
+what they run and no more.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import functools
-import inspect
-import json
+import argparse
 import os
-import shlex
 import signal
 import sys
-import time
-from collections.abc import Callable, Mapping
-from typing import Annotated, Any, cast
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
-import typer
-
+from prepare.cli.report import EXIT_OK, NAME, Report, Streams, Usage, usage
 from prepare.config.fields import TABLE, Field, Table, nest
 from prepare.fail import Fail
-from prepare.host import human
-from prepare.host.human import printable
-from prepare.host.redact import redact
-from prepare.notes import print_notes
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_SOFTWARE = 70
-EXIT_TRANSIENT = 75
-EXIT_PERMANENT = 78
-EXIT_INTERRUPTED = 130
+ROOT_USAGE = f"{NAME} [OPTIONS] COMMAND [ARGS]..."
+DESCRIPTION = (
+    "Get this box ready before it dials a training controller: GPU gate, dataset root, writable local "
+    "directories, then a pinned libtorch and the training binary through Nix."
+)
+EPILOG = "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 70 a bug (stop), 130 interrupted."
+GPUS_HELP = (
+    "Survey the GPUs and print them: NVIDIA through NVML (after CUDA_VISIBLE_DEVICES), AMD from the amdgpu "
+    "driver's KFD topology (after ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES), each numbered as its runtime "
+    "numbers it."
+)
+PUBLISH_HELP = (
+    "Build the run's outputs for each variant, sign them, copy them to a binary cache, then write .fdl-run.toml "
+    "(the commit point): boxes that trust the key substitute instead of building. --flake must name the flake "
+    "the boxes build with, at the same revision."
+)
+COMPLETION_HELP = (
+    "Print the shell completion script for bash, zsh or fish (e.g. `source <(fdl-prepare completion bash)`)."
+)
 
-NAME = "fdl-prepare"
+# The keys publish shares with prepare: the flake both build with, where the
+# GC roots live, how long a build may run, and the smoke run (which publish
+# writes into the manifest, where it outranks the boxes' own). Same flags,
+# same checks.
+PUBLISH_SHARED = ("flake", "state_dir", "build_timeout", "source.smoke")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -66,467 +62,415 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise Interrupted()
 
 
-def _version(value: bool) -> None:
-    if value:
-        from prepare import __version__
-
-        typer.echo(f"{NAME} {__version__}")
-        raise typer.Exit(EXIT_OK)
+# -- the parser ------------------------------------------------------------------------------
 
 
-def _option(f: Field) -> inspect.Parameter:
-    """The command-line option for one field of the config. It defaults to
-    None, "not given", whatever the field's default: defaults and
-    precedence live in prepare.config.resolve alone."""
-    decls = [f.flag]
-    if f.kind.flag_type is bool:
-        decls = [f"{f.flag}/--no-{f.flag.removeprefix('--')}"]
+class _Help(argparse.HelpFormatter):
+    """argparse's help, with the options' help in one column as click's is."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30)
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: str | None = None) -> None:
+        super().add_usage(usage, actions, groups, "Usage: " if prefix is None else prefix)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors raised as `Usage` (worded as click words
+    them, naming the option) for prepare.cli.report to write, instead of
+    argparse's own message and exit."""
+
+    def __init__(self, *args: Any, command: str = NAME, usage_line: str = ROOT_USAGE, **kwargs: Any) -> None:
+        kwargs.update(usage=usage_line, add_help=False, formatter_class=_Help)
+        super().__init__(*args, **kwargs)
+        self.command = command
+        self.usage_line = usage_line
+        self.add_argument("-h", "--help", action="help", help="Show this message and exit.")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        words = sys.argv[1:] if args is None else args
+        return super().parse_known_args(_values_joined(words, self), namespace)
+
+    def error(self, message: str) -> NoReturn:
+        raise Usage(_clicked(message), usage=self.usage_line, command=self.command)
+
+
+def _clicked(message: str) -> str:
+    """argparse's words for a usage error, as the command has always said them."""
+    for start, said in (
+        ("unrecognized arguments: ", "No such option: {}"),
+        ("the following arguments are required: ", "Missing option '{}'."),
+    ):
+        if message.startswith(start):
+            rest = message.removeprefix(start).split(", ")[0].split(" ")[0]
+            if start.startswith("the following") and not rest.startswith("-"):
+                return f"Missing argument '{rest}'."
+            return said.format(rest)
+    if message.startswith("argument "):
+        option, _, said = message.removeprefix("argument ").partition(": ")
+        option = option.split("/")[0]
+        if said.startswith("invalid choice: "):
+            return f"No such command {said.removeprefix('invalid choice: ').split(' ')[0]}."
+        if said.startswith("ignored explicit argument"):
+            return f"Option '{option}' does not take a value."
+        if said.startswith("expected one argument"):
+            return f"Option '{option}' requires an argument."
+        return f"Invalid value for '{option}': {said}"
+    return message
+
+
+def _typed(kind: type, name: str) -> Callable[[str], Any]:
+    def read(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {name}.") from None
+
+    return read
+
+
+def _read_flag(f: Field) -> Callable[[str], Any]:
+    """A flag whose text needs more reading (`--devices 0,1`): a malformed
+    one is a usage error (exit 2), not a broken box."""
+    reader = f.kind.read_flag
+    assert reader is not None
+
+    def read(text: str) -> Any:
+        try:
+            return reader(text, f.flag)
+        except Fail as fail:
+            raise argparse.ArgumentTypeError(fail.message) from None
+
+    return read
+
+
+def _add_field(parser: argparse.ArgumentParser, f: Field, dest: str) -> None:
+    """The option for one field of the config. It defaults to None, "not
+    given", whatever the field's default."""
+    kind = f.kind.flag_type
+    if kind is bool:
+        parser.add_argument(f.flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=f.help)
+        return
+    read: Callable[[str], Any] = str
+    if f.kind.read_flag is not None:
+        read = _read_flag(f)
+    elif kind is int:
+        read = _typed(int, "int")
+    elif kind is float:
+        read = _typed(float, "float")
     # A repeatable flag: each occurrence is one item of the list.
-    annotation = list[str] | None if f.kind.flag_type is list else f.kind.flag_type | None
-    return inspect.Parameter(
-        f.param,
-        inspect.Parameter.KEYWORD_ONLY,
-        default=typer.Option(None, *decls, metavar=f.metavar, help=f.help),
-        annotation=annotation,
+    action = "append" if kind is list else "store"
+    parser.add_argument(f.flag, dest=dest, action=action, type=read, metavar=f.metavar, default=None, help=f.help)
+
+
+def parser(table: Table = TABLE) -> Parser:
+    """The command line: the root's options (one per field of `table`) and
+    its commands. A root option's dest is its field's param; a command's own
+    options are under `<command>.<name>`, so the root's and a command's never
+    share one."""
+    from prepare import __version__
+
+    root = Parser(prog=NAME, description=DESCRIPTION, epilog=EPILOG)
+    root.add_argument(
+        "--config",
+        metavar="PATH",
+        help="TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present.",
     )
+    for f in table.fields:
+        _add_field(root, f, f.param)
+    root.add_argument("--json", action="store_true", help="Print one JSON object on stdout: the Prepared, or the Fail.")
+    root.add_argument(
+        "--version", action="version", version=f"{NAME} {__version__}", help="Print the version and exit."
+    )
+    commands = root.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
+
+    gpus = _command(commands, "gpus", GPUS_HELP, f"{NAME} gpus [OPTIONS]")
+    gpus.add_argument("--json", dest="gpus.json", action="store_true", help="Print the survey as JSON on stdout.")
+
+    publish = _command(commands, "publish", PUBLISH_HELP, f"{NAME} publish [OPTIONS] SOURCE_DIR")
+    publish.add_argument(
+        "source", metavar="SOURCE_DIR", help="The training source tree (a git checkout or not).", nargs="?"
+    )
+    publish.add_argument("--bin", dest="publish.bin", metavar="NAME", help="The training binary the build installs.")
+    publish.add_argument(
+        "--variant",
+        dest="publish.variant",
+        action="append",
+        metavar="LABEL",
+        help="libtorch variant to build and serve, repeatable (cpu, cu128).",
+    )
+    publish.add_argument(
+        "--to", dest="publish.to", metavar="URL", help="The binary cache: a store URL `nix copy --to` takes."
+    )
+    publish.add_argument(
+        "--signing-key",
+        dest="publish.signing_key",
+        metavar="FILE",
+        help="Nix secret key file the outputs are signed with (read by nix).",
+    )
+    publish.add_argument(
+        "--cwd",
+        dest="publish.cwd",
+        metavar="DIR",
+        default=".",
+        help="Directory inside the source the build and run use. Default: .",
+    )
+    publish.add_argument("--build", dest="publish.build", metavar="CMD", help="Build line (default: the flake's).")
+    publish.add_argument(
+        "--arg",
+        dest="publish.arg",
+        action="append",
+        metavar="ARG",
+        help="An argument of the run, repeatable, in order.",
+    )
+    publish.add_argument(
+        "--no-smoke",
+        dest="publish.no_smoke",
+        action="store_true",
+        help="Write `smoke = []`: the boxes make no smoke run.",
+    )
+    publish.add_argument(
+        "--commit",
+        dest="publish.commit",
+        action="store_true",
+        help="git: commit the manifest alone on the commit built.",
+    )
+    publish.add_argument("--push", dest="publish.push", action="store_true", help="git: commit and push the manifest.")
+    publish.add_argument(
+        "--json",
+        dest="publish.json",
+        action="store_true",
+        help="Print one JSON object on stdout: the publish, or the Fail.",
+    )
+    for f in _shared(table).fields:
+        _add_field(publish, f, f"publish.{f.param}")
+
+    completion = _command(commands, "completion", COMPLETION_HELP, f"{NAME} completion {{bash,zsh,fish}}")
+    completion.add_argument("shell", choices=("bash", "zsh", "fish"), metavar="{bash,zsh,fish}")
+    return root
 
 
-def _with_field_options(command: Callable[..., None], table: Table, after: int | None = 2) -> Callable[..., None]:
-    """`command` with one option per field of `table` after its first `after`
-    parameters (prepare: the context and --config; None: after all of its
-    own), which take the rest as **given."""
-    signature = inspect.signature(command, eval_str=True)
-    own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    split = len(own) if after is None else after
-    params = [*own[:split], *(_option(f) for f in table.fields), *own[split:]]
-    # typer reads a command's options from its signature, and a declared
-    # __signature__ is what inspect.signature reports.
-    cast(Any, command).__signature__ = signature.replace(parameters=params)
-    return command
+def _command(commands: Any, name: str, help: str, usage_line: str) -> Parser:
+    made: Parser = commands.add_parser(
+        name, help=help, description=help, command=f"{NAME} {name}", usage_line=usage_line
+    )
+    return made
 
 
-def _fresh(command: Callable[..., None]) -> Callable[..., None]:
-    """A new function running `command`, to carry a signature of its own:
-    `command` itself stays as written, however many apps are made."""
-
-    @functools.wraps(command)
-    def call(*args: Any, **kwargs: Any) -> None:
-        command(*args, **kwargs)
-
-    return call
+def _shared(table: Table) -> Table:
+    return Table([table.by_key[key] for key in PUBLISH_SHARED if key in table.by_key])
 
 
-def _flags(table: Table, given: Mapping[str, Any]) -> dict[str, Any]:
+def flags(table: Table, given: argparse.Namespace | Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """The options given, in the shape of the config's [join] table, so
     precedence can live in one place (prepare.config.resolve)."""
+    values = vars(given) if isinstance(given, argparse.Namespace) else given
     flat: dict[str, Any] = {}
     for f in table.fields:
-        value = given.get(f.param)
-        # A repeatable flag that was not given comes as an empty list.
-        if value is None or (f.kind.flag_type is list and not value):
-            continue
-        if f.kind.read_flag is not None:
-            try:
-                value = f.kind.read_flag(value, f.flag)
-            except Fail as fail:
-                # A malformed flag is a usage error (exit 2), not a broken box.
-                raise typer.BadParameter(fail.message) from None
-        flat[f.key] = value
+        value = values.get(prefix + f.param)
+        if value is not None:
+            flat[f.key] = value
     return nest(flat)
 
 
-# The keys publish shares with prepare: the flake both build with, where the
-# GC roots live, how long a build may run, and the smoke run (which publish
-# writes into the manifest, where it outranks the boxes' own). Same flags,
-# same checks.
-PUBLISH_SHARED = Table([TABLE.by_key[key] for key in ("flake", "state_dir", "build_timeout", "source.smoke")])
+# -- the commands --------------------------------------------------------------------------------
 
 
-def make_app(table: Table = TABLE) -> typer.Typer:
-    """The command, with an option for each field of `table`."""
-    app = typer.Typer(
-        name=NAME,
-        add_completion=False,
-        no_args_is_help=False,
-        pretty_exceptions_enable=False,
-        rich_markup_mode=None,
-        context_settings={"help_option_names": ["-h", "--help"]},
-        help=(
-            "Get this box ready before it dials a training controller: GPU gate, dataset root, "
-            "writable local directories, then a pinned libtorch and the training binary through Nix.\n\n"
-            "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 70 a bug (stop), "
-            "130 interrupted."
-        ),
+def run(args: Sequence[str] | None = None, *, table: Table = TABLE) -> int:
+    """Parse `args` (default: the process's) and run the command they name;
+    the exit code. Writes to sys.stdout and sys.stderr as they are."""
+    argv = sys.argv[1:] if args is None else list(args)
+    the_parser = parser(table)
+    try:
+        if argv[:1] == ["publish"] and len(argv) == 1:
+            # No arguments at all is a request for help, as a usage error.
+            _commands(the_parser)["publish"].print_help(sys.stderr)
+            return 2
+        given, extra = the_parser.parse_known_args(argv)
+        if extra:
+            # Named by the command they were given to, with its usage.
+            (_commands(the_parser)[given.command] if given.command else the_parser).error(
+                f"unrecognized arguments: {' '.join(extra)}"
+            )
+        if given.command is not None:
+            _nothing_for(given, table)
+        if given.command == "publish":
+            _publish_args(given, _commands(the_parser)["publish"])
+    except Usage as error:
+        return usage(error)
+    except SystemExit as done:  # --help, --version: argparse has printed them
+        return int(done.code or 0)
+    command = given.command or "prepare"
+    return COMMANDS[command](given, table)
+
+
+def _values_joined(argv: Sequence[str], root: argparse.ArgumentParser) -> list[str]:
+    """`argv` with each option that takes a value joined to it (`--smoke
+    --steps` as `--smoke=--steps`): the next word is the value whatever it
+    looks like, as the command has always read it, where argparse would take
+    one that starts with '-' for an option. A training binary's arguments
+    (`--smoke`, `--arg`) usually do."""
+    commands = _commands(root)
+    valued = _valued(root)
+    out: list[str] = []
+    words = list(argv)
+    while words:
+        word = words.pop(0)
+        if word == "--":
+            out += [word, *words]
+            break
+        if word in valued and words:
+            out.append(f"{word}={words.pop(0)}")
+            continue
+        if word in commands:
+            valued = _valued(commands[word])
+            commands = {}
+        out.append(word)
+    return out
+
+
+def _valued(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for a in parser._actions if a.option_strings and a.nargs != 0 for flag in a.option_strings}
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, Parser]:
+    """The commands of `parser` (none for a command's own)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _nothing_for(given: argparse.Namespace, table: Table) -> None:
+    """Before a command, the root's --json is the command's (`fdl-prepare
+    --json gpus` prints JSON, as `fdl-prepare gpus --json` does); any other
+    root option would be silently ignored there, so it is a usage error."""
+    ignored = [f.flag for f in table.fields if getattr(given, f.param) not in (None, [])]
+    if given.config is not None:
+        ignored.insert(0, "--config")
+    if not ignored:
+        return
+    them = "it" if len(ignored) == 1 else "them"
+    raise Usage(
+        f"Invalid value for {', '.join(ignored)}: given before `{given.command}`, which would ignore {them}: drop "
+        f"{them}, or see `{NAME} {given.command} --help` for its own options",
+        usage=ROOT_USAGE,
     )
 
-    def run(
-        ctx: typer.Context,
-        *,
-        config: str | None = typer.Option(
-            None,
-            "--config",
-            metavar="PATH",
-            help="TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present.",
-        ),
-        as_json: bool = typer.Option(
-            False, "--json", help="Print one JSON object on stdout: the Prepared, or the Fail."
-        ),
-        version: bool | None = typer.Option(
-            None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
-        ),
-        **given: Any,
-    ) -> None:
-        """Prepare this box (the default command)."""
-        if ctx.invoked_subcommand is not None:
-            _pass_to_subcommand(ctx, config, as_json, table, given)
-            return
-        raise typer.Exit(_prepare(config, _flags(table, given), as_json, table))
 
-    app.callback(invoke_without_command=True)(_with_field_options(run, table))
-    app.command("gpus")(gpus)
-    app.command("publish", no_args_is_help=True)(_with_field_options(_fresh(publish), PUBLISH_SHARED, after=None))
-    return app
-
-
-def _pass_to_subcommand(
-    ctx: typer.Context, config: str | None, as_json: bool, table: Table, given: Mapping[str, Any]
-) -> None:
-    """Before a subcommand, the root's --json is the subcommand's (`fdl-prepare
-    --json gpus` prints JSON, as `fdl-prepare gpus --json` does); any other
-    root flag would be silently ignored there, so it is a usage error."""
-    ignored = [f.flag for f in table.fields if given.get(f.param) not in (None, [])]
-    if config is not None:
-        ignored.insert(0, "--config")
-    if ignored:
-        them = "it" if len(ignored) == 1 else "them"
-        raise typer.BadParameter(
-            f"given before `{ctx.invoked_subcommand}`, which would ignore {them}: drop {them}, or see "
-            f"`{NAME} {ctx.invoked_subcommand} --help` for its own options",
-            ctx=ctx,
-            param_hint=", ".join(ignored),
+def _publish_args(given: argparse.Namespace, publish: Parser) -> None:
+    """What publish requires, and what it cannot take together."""
+    values = vars(given)
+    if values["source"] is None:
+        publish.error("the following arguments are required: SOURCE_DIR")
+    for option, dest in (("--bin", "bin"), ("--to", "to"), ("--signing-key", "signing_key")):
+        if values[f"publish.{dest}"] is None:
+            publish.error(f"the following arguments are required: {option}")
+    if values.get("publish.source_smoke") and values["publish.no_smoke"]:
+        publish.error(
+            "argument --no-smoke: give --smoke ARG to set the smoke run, or --no-smoke to turn it off, not both"
         )
-    ctx.obj = {"json": as_json}
 
 
-def _root_json(ctx: typer.Context) -> bool:
-    """Whether --json was given before the subcommand."""
-    obj = ctx.find_root().obj
-    return bool(isinstance(obj, dict) and obj.get("json"))
+def _prepare(given: argparse.Namespace, table: Table) -> int:
+    report = Report(NAME, as_json=given.json)
 
+    def work() -> Any:
+        from prepare import config, pipeline
 
-def _prepare(config_flag: str | None, flags: dict[str, Any], as_json: bool, table: Table = TABLE) -> int:
-    from prepare import config
-    from prepare.pipeline import prepare
-
-    notes: list[str] = []
-    start = time.monotonic()
-    try:
-        path = config.find_path(config_flag, os.environ)
-        file_table = config.load(path, table=table) if path is not None else {}
-        spec = config.resolve(file_table, flags, os.environ, table=table)
+        path = config.find_path(given.config, os.environ)
+        file = config.load(path, table=table) if path is not None else {}
+        spec = config.resolve(file, flags(table, given), os.environ, table=table)
         progress = None
         if spec.wants_build:
-            from prepare.cli import progress as progress_mod
+            from prepare.cli import progress as display
 
-            progress = progress_mod.renderer(sys.stderr)
-        done = prepare(spec, notes, progress=progress)
-    except Fail as fail:
-        return _report_fail(fail, notes, as_json)
-    except KeyboardInterrupt:
-        return _report_interrupted(notes, as_json)
-    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
-        return _report_bug(bug, notes, as_json)
+            progress = display.renderer(sys.stderr)
+        return pipeline.prepare(spec, report.notes, progress=progress)
 
-    if as_json:
-        out = done.to_json()
-        out["notes"] = [redact(n) for n in notes]
-        # Keys in pipeline order, not sorted: the timings read as the steps ran.
-        print(json.dumps(out))
-        return EXIT_OK
-    print_notes(NAME, notes)
-    _summary(done, time.monotonic() - start)
+    return report.outcome(work)
+
+
+def _gpus(given: argparse.Namespace, table: Table) -> int:
+    report = Report(f"{NAME} gpus", as_json=given.json or vars(given)["gpus.json"])
+
+    def work() -> Any:
+        from prepare.gpu import gate
+        from prepare.spec import DRIVER_DIR
+
+        return gate.survey(os.environ, driver_dir=DRIVER_DIR)
+
+    return report.outcome(work)
+
+
+def _publish(given: argparse.Namespace, table: Table) -> int:
+    values = vars(given)
+    report = Report(f"{NAME} publish", as_json=given.json or values["publish.json"])
+
+    def work() -> Any:
+        from prepare import config
+        from prepare.cli import progress as display
+        from prepare.publish import PublishSpec, publish
+
+        # The same flags, checks and environment defaults as prepare's.
+        shared_table = _shared(table)
+        shared = config.resolve({}, flags(shared_table, given, "publish."), os.environ, table=shared_table)
+        smoke = None if shared.source is None else shared.source.smoke
+        spec = PublishSpec(
+            source=values["source"],
+            bin=values["publish.bin"],
+            variants=tuple(values["publish.variant"] or ()),
+            to=values["publish.to"],
+            signing_key=values["publish.signing_key"],
+            cwd=values["publish.cwd"],
+            build=values["publish.build"],
+            args=tuple(values["publish.arg"] or ()),
+            smoke=() if values["publish.no_smoke"] else smoke,
+            flake=shared.flake,
+            state_dir=shared.state_dir,
+            build_timeout_s=shared.build_timeout_s,
+            commit=values["publish.commit"] or values["publish.push"],
+            push=values["publish.push"],
+        )
+        return publish(spec, report.notes, display.renderer(sys.stderr, prefix=report.name))
+
+    return report.outcome(work)
+
+
+def _completion(given: argparse.Namespace, table: Table) -> int:
+    from prepare.cli import completion
+
+    print(completion.script(given.shell, parser(table)), end="")
     return EXIT_OK
 
 
-def _report_fail(fail: Fail, notes: list[str], as_json: bool, name: str = NAME) -> int:
-    code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
-    # Credentials in URLs never reach a journal or a JSON consumer, whoever
-    # wrote the text (prepare.host.redact).
-    message = redact(fail.message)
-    if as_json:
-        out = {**fail.to_json(), "message": message, "notes": [redact(n) for n in notes]}
-        print(json.dumps(out, sort_keys=True))
-        return code
-    print_notes(name, notes)
-    then = (
-        "retrying cannot help: fix the cause above, then run again"
-        if fail.permanent
-        else "the next attempt may succeed: retry with backoff"
-    )
-    print(f"{name}: {fail.kind} failure: {printable(message, lines=True)}", file=sys.stderr)
-    print(f"{name}: exit {code}: {then}", file=sys.stderr)
-    return code
+COMMANDS: dict[str, Callable[[argparse.Namespace, Table], int]] = {
+    "prepare": _prepare,
+    "gpus": _gpus,
+    "publish": _publish,
+    "completion": _completion,
+}
 
 
-def _report_interrupted(notes: list[str], as_json: bool, name: str = NAME) -> int:
-    """SIGINT, or SIGTERM from systemd stopping the unit: the seam in
-    prepare.host.proc has stopped any running child by now."""
-    message = (
-        "interrupted (SIGINT or SIGTERM) before preparation finished: the running step and its child were "
-        "stopped; the next attempt starts over"
-    )
-    if as_json:
-        out = {"kind": "interrupted", "message": message, "notes": [redact(n) for n in notes]}
-        print(json.dumps(out, sort_keys=True), flush=True)
-    else:
-        print_notes(name, notes)
-    print(f"{name}: interrupted", file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
-
-
-def _report_bug(bug: BaseException, notes: list[str], as_json: bool, name: str = NAME) -> int:
-    """An exception that is not a Fail: a bug, said as one, with the
-    traceback a report needs, and an exit code no unit retries."""
-    import traceback
-
-    trace = redact("".join(traceback.format_exception(type(bug), bug, bug.__traceback__)))
-    message = redact(
-        f"internal error: {type(bug).__name__}: {bug}. This is a bug in fdl-prepare, not a problem of this box: "
-        "retrying would only repeat it. Report it with the traceback, and the config and flags that led to it"
-    )
-    if as_json:
-        out = {"kind": "bug", "message": message, "traceback": trace, "notes": [redact(n) for n in notes]}
-        print(json.dumps(out, sort_keys=True), flush=True)
-    else:
-        print_notes(name, notes)
-    print(trace, file=sys.stderr, end="")
-    print(f"{name}: {message}", file=sys.stderr)
-    print(f"{name}: exit {EXIT_SOFTWARE}: a bug; the unit does not restart on it", file=sys.stderr, flush=True)
-    return EXIT_SOFTWARE
-
-
-def _summary(done: Any, seconds: float) -> None:
-    rows: list[tuple[str, str]] = []
-    if done.devices is None:
-        rows.append(("gpus", "gate skipped (--cpu-only)"))
-    else:
-        rows.append(("gpus", ", ".join(str(i) for i in done.devices)))
-    rows.append(("data", done.data_path or "(none declared)"))
-    if done.libtorch is not None:
-        rows.append(("libtorch", f"{done.libtorch.variant}  {done.libtorch.path}"))
-    if done.bin is not None:
-        rows.append(("bin", f"{done.bin.path}  (cwd {done.bin.cwd})"))
-    if done.args is not None:
-        rows.append(("args", shlex.join(done.args)))
-    if done.run_id is not None:
-        rows.append(("run", done.run_id))
-    err = sys.stderr
-    print(f"{NAME}: prepared in {seconds:.2f}s", file=err)
-    # The run's values come from its manifest: escaped, one line each.
-    for key, value in rows:
-        print(f"  {key:<9} {printable(value)}", file=err)
-
-
-def gpus(
-    ctx: typer.Context,
-    as_json: bool = typer.Option(False, "--json", help="Print the survey as JSON on stdout."),
-) -> None:
-    """Survey the GPUs and print them: NVIDIA through NVML (after CUDA_VISIBLE_DEVICES), AMD from the
-    amdgpu driver's KFD topology (after ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES), each numbered
-    as its runtime numbers it."""
-    from prepare.gpu import gate
-    from prepare.gpu import table as gpu_table
-
-    as_json = as_json or _root_json(ctx)
-    name = f"{NAME} gpus"
-    try:
-        survey = gate.survey(os.environ)
-    except Fail as fail:
-        raise typer.Exit(_report_fail(fail, [], as_json, name)) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(_report_interrupted([], as_json, name)) from None
-    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
-        raise typer.Exit(_report_bug(bug, [], as_json, name)) from None
-    if as_json:
-        print(json.dumps(survey.to_json()))
-    else:
-        print(gpu_table.format_table(survey))
-        health = gpu_table.format_health(survey)
-        if health:
-            print("\n" + health)
-        print_notes(name, survey.notes)
-    raise typer.Exit(EXIT_OK)
-
-
-def publish(
-    ctx: typer.Context,
-    source: str = typer.Argument(..., metavar="SOURCE_DIR", help="The training source tree (a git checkout or not)."),
-    bin_: str = typer.Option(..., "--bin", metavar="NAME", help="The training binary the build installs."),
-    variants: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--variant", metavar="LABEL", help="libtorch variant to build and serve, repeatable (cpu, cu128)."
-        ),
-    ] = None,
-    to: str = typer.Option(..., "--to", metavar="URL", help="The binary cache: a store URL `nix copy --to` takes."),
-    signing_key: str = typer.Option(
-        ..., "--signing-key", metavar="FILE", help="Nix secret key file the outputs are signed with (read by nix)."
-    ),
-    cwd: str = typer.Option(".", "--cwd", metavar="DIR", help="Directory inside the source the build and run use."),
-    build: str | None = typer.Option(None, "--build", metavar="CMD", help="Build line (default: the flake's)."),
-    args: Annotated[
-        list[str] | None, typer.Option("--arg", metavar="ARG", help="An argument of the run, repeatable, in order.")
-    ] = None,
-    no_smoke: bool = typer.Option(False, "--no-smoke", help="Write `smoke = []`: the boxes make no smoke run."),
-    commit: bool = typer.Option(False, "--commit", help="git: commit the manifest alone on the commit built."),
-    push: bool = typer.Option(False, "--push", help="git: commit and push the manifest."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout: the publish, or the Fail."),
-    **given: Any,
-) -> None:
-    """Build the run's outputs for each variant, sign them, copy them to a binary cache, then write
-    .fdl-run.toml (the commit point): boxes that trust the key substitute instead of building.
-    --flake must name the flake the boxes build with, at the same revision."""
-    from prepare import config
-    from prepare.cli import progress as progress_mod
-    from prepare.publish.spec import PublishSpec
-    from prepare.publish.steps import publish as run_publish
-
-    as_json = as_json or _root_json(ctx)
-    notes: list[str] = []
-    start = time.monotonic()
-    name = f"{NAME} publish"
-    try:
-        # The same flags, checks and environment defaults as prepare's.
-        shared = config.resolve({}, _flags(PUBLISH_SHARED, given), os.environ, table=PUBLISH_SHARED)
-    except Fail as fail:
-        raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
-    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
-        raise typer.Exit(_report_bug(bug, notes, as_json, name)) from None
-    smoke = None if shared.source is None else shared.source.smoke
-    if smoke and no_smoke:
-        raise typer.BadParameter("give --smoke ARG to set the smoke run, or --no-smoke to turn it off, not both")
-    spec = PublishSpec(
-        source=source,
-        bin=bin_,
-        variants=tuple(variants or ()),
-        to=to,
-        signing_key=signing_key,
-        cwd=cwd,
-        build=build,
-        args=tuple(args or ()),
-        smoke=() if no_smoke else smoke,
-        flake=shared.flake,
-        state_dir=shared.state_dir,
-        build_timeout_s=shared.build_timeout_s,
-        commit=commit or push,
-        push=push,
-    )
-    try:
-        done = run_publish(spec, notes, progress_mod.renderer(sys.stderr, prefix=name))
-    except Fail as fail:
-        raise typer.Exit(_report_fail(fail, notes, as_json, name)) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(_report_interrupted(notes, as_json, name)) from None
-    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
-        raise typer.Exit(_report_bug(bug, notes, as_json, name)) from None
-    if as_json:
-        print(json.dumps({**done.to_json(), "notes": notes}))
-        raise typer.Exit(EXIT_OK)
-    print_notes(name, notes)
-    err = sys.stderr
-    print(f"{name}: run {done.run_id} published in {time.monotonic() - start:.2f}s", file=err)
-    rows = [("source", os.path.abspath(source) + (f" (git {done.rev[:12]})" if done.rev else ""))]
-    rows += [("to", done.to)]
-    rows += [(label, f"{out.bin}  (libtorch {out.libtorch})") for label, out in done.outputs.items()]
-    rows += [("manifest", done.manifest + (f" (commit {done.commit[:12]})" if done.commit else ""))]
-    if done.next_step:
-        rows.append(("next", done.next_step))
-    for key, value in rows:
-        print(f"  {key:<9} {value}", file=err)
-    raise typer.Exit(EXIT_OK)
-
-
-app = make_app()
-
-
-class _Output:
-    """sys.stdout or sys.stderr, whose writes never raise: the first error
-    (a full disk, a reader gone) is kept in `failed`, and the stream is
-    pointed at /dev/null so that nothing written later, the interpreter's
-    last flush included, fails again."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-        self.failed: OSError | None = None
-
-    def write(self, text: str) -> int:
-        if self.failed is None:
-            try:
-                return int(self._stream.write(text))
-            except (OSError, ValueError) as err:
-                self._fail(err if isinstance(err, OSError) else OSError(errno.EBADF, str(err)))
-        return len(text)
-
-    def flush(self) -> None:
-        if self.failed is None:
-            try:
-                self._stream.flush()
-            except (OSError, ValueError) as err:
-                self._fail(err if isinstance(err, OSError) else OSError(errno.EBADF, str(err)))
-
-    def _fail(self, err: OSError) -> None:
-        self.failed = err
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
-            os.close(null)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-# A result that could not be written to a full disk: a person frees space.
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
-
-
-def main(args: list[str] | None = None) -> None:
+def main(args: Sequence[str] | None = None) -> None:
+    """The console script: the command's outcome as its exit code, SIGTERM
+    taken as an interruption, and output that cannot be written reported
+    as such (prepare.cli.report.Streams)."""
     signal.signal(signal.SIGTERM, _on_sigterm)
-    # (None: Python found no open fd there at start; nothing is written.)
-    out, err = _Output(sys.stdout), _Output(sys.stderr)
-    if sys.stdout is not None:
-        sys.stdout = cast(Any, out)
-    if sys.stderr is not None:
-        sys.stderr = cast(Any, err)
-    code: Any = EXIT_OK
+    streams = Streams()
+    code: Any
     try:
-        app(args=args, prog_name=NAME, standalone_mode=True)
-    except SystemExit as done:
-        code = done.code
+        code = run(args)
     except KeyboardInterrupt:
-        # The commands say it themselves (typer turns an interrupt that
-        # escapes them into a silent exit 130); this is one outside typer.
-        print(f"{NAME}: interrupted", file=sys.stderr)
-        code = EXIT_INTERRUPTED
+        # Outside a command's own report: an interruption while parsing.
+        code = Report().interrupted()
     except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
         # Outside the commands' own reports: the option parsing, the
         # imports. Still a bug, still not retried.
-        code = _report_bug(bug, [], False)
-    if sys.stdout is not None:
-        out.flush()
-    if sys.stderr is not None:
-        err.flush()
-    if out.failed is not None and code in (None, EXIT_OK):
-        full = out.failed.errno in _DISK_FULL
-        code = EXIT_PERMANENT if full else EXIT_TRANSIENT
-        print(
-            f"{NAME}: the result could not be written to stdout ({human.oserror(out.failed)}): "
-            + ("free space where stdout goes, then run again" if full else "the next attempt writes it again")
-            + f"; exit {code}",
-            file=sys.stderr,
-        )
-        if sys.stderr is not None:
-            err.flush()
-    sys.exit(code)
+        code = Report().bug(bug)
+    sys.exit(streams.close(code))
 
 
 def publish_main() -> None:

@@ -4,7 +4,8 @@ The library never prints: `prepare.build` hands events (plain dicts) to a
 `progress` callable, and the CLI picks how to show them with `renderer`:
 
 - on a terminal, a live display: downloads with their bytes, builds as
-  running or done with the phase they are in (rich, imported only then);
+  running or done with the phase they are in (rich, imported only then:
+  the `live` extra; without it, a terminal gets the plain lines);
 - anywhere else (systemd's journal, a pipe, a CI log), one plain line per
   build or download started and finished. No spinners, no carriage
   returns: a journal keeps every byte, and a redrawn line there is noise.
