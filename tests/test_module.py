@@ -275,7 +275,7 @@ def test_the_committed_fields_json_is_what_the_field_table_exports_now():
     assert by_key["devices"]["example"] == [0, 1] and by_key["cpu_only"]["default"] is False
 
 
-def test_the_fields_json_command_writes_the_committed_file(tmp_path):
+def test_the_fields_json_command_writes_the_committed_file():
     out = subprocess.run(
         [sys.executable, "-m", "prepare.fields_json"], capture_output=True, text=True, timeout=60, check=True
     )
