@@ -343,9 +343,13 @@ let
         || exec ${systemctl} --quiet is-active fdl-prepare-after-switch.service
       exit 0
     fi
-    # No switch: boot, or a start by hand. Wait for preparation, as
-    # multi-user.target would if it wanted fdl-prepare.service itself.
-    exec ${systemctl} start fdl-prepare.service
+    # No switch: boot, or a start by hand. Wait for the first attempt, as
+    # multi-user.target would if it wanted fdl-prepare.service itself. Its
+    # failure is preparation's to report (a transient one fails this start
+    # job while the unit retries): this unit failing too would only mark
+    # the system degraded on every boot whose first attempt is retried.
+    ${systemctl} start fdl-prepare.service \
+      || echo "fdl-prepare-start: the first attempt did not prepare this box; fdl-prepare.service says why and retries what can be retried"
   '';
 in
 {
@@ -448,7 +452,9 @@ in
 
         On: at boot nothing changes: multi-user.target wants
         fdl-prepare-start.service, which starts fdl-prepare.service and
-        waits for it, so boot is finished only once the first attempt is.
+        waits for its first attempt, so boot is finished only once that
+        attempt is (a transient failure is retried by fdl-prepare.service
+        as always).
         During a switch that changes the settings, the package or the unit
         (or that deploys the module for the first time),
         fdl-prepare-start.service is restarted and sees the switch's lock
@@ -680,9 +686,8 @@ in
       restartIfChanged = true;
       stopIfChanged = false;
       serviceConfig = {
-        # Active once it has started (at boot: once preparation has
-        # succeeded) or scheduled preparation, so the boot transaction and
-        # the switch see it done; a permanent failure at boot fails it too.
+        # Active once the first attempt has ended (at boot) or a restart is
+        # scheduled (in a switch), whatever preparation's result.
         Type = "oneshot";
         RemainAfterExit = true;
         ExecStart = "${pkgs.runtimeShell} ${startScript} ${switchLock}";

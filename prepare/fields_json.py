@@ -32,7 +32,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-COMMAND = "python -m prepare.fields_json > nix/fields.json"
+# Named by where this module is, so the command follows it if it moves.
+COMMAND = f"python -m {__spec__.name} > nix/fields.json"
 
 # A type tree: a name, or [function, argument, ...] with numbers or trees as arguments.
 Tree = Any

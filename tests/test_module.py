@@ -89,7 +89,7 @@ def test_at_boot_multi_user_target_waits_for_the_first_attempt_in_both_switch_mo
     assert argv[0] == f"{background.fake_root}/bash/bin/bash"
     assert argv[2:] == [SWITCH_LOCK]
     script = Path(argv[1]).read_text()
-    assert f"exec {background.fake_root}/systemd/bin/systemctl start fdl-prepare.service" in script
+    assert f"{background.fake_root}/systemd/bin/systemctl start fdl-prepare.service" in script
     # Off: the target wants the unit itself, as before the option existed.
     waiting = evaluate_module(host("backgroundOnSwitch = false;"))
     assert waiting.service["wantedBy"] == ["multi-user.target"]
@@ -277,7 +277,7 @@ def test_the_committed_fields_json_is_what_the_field_table_exports_now():
 
 def test_the_fields_json_command_writes_the_committed_file():
     out = subprocess.run(
-        [sys.executable, "-m", "prepare.fields_json"], capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-m", fields_json.__name__], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout == FIELDS_JSON.read_text()
 
@@ -646,7 +646,7 @@ def switch_in_progress(lock: Path):
 
 
 @pytest.mark.parametrize("lock_exists", [False, True], ids=["no lock file (boot)", "a lock nobody holds"])
-def test_outside_a_switch_the_start_unit_waits_for_preparation_and_reports_its_result(
+def test_outside_a_switch_the_start_unit_waits_for_the_first_attempt_and_leaves_its_result_to_preparation(
     start_unit, tmp_path, lock_exists
 ):
     lock = tmp_path / "nixos" / "switch-to-configuration.lock"
@@ -656,10 +656,13 @@ def test_outside_a_switch_the_start_unit_waits_for_preparation_and_reports_its_r
     done = start_unit.run(lock)
     assert done.returncode == 0, done.stderr
     assert start_unit.logged() == [["systemctl", "start", "fdl-prepare.service"]]
-    # A preparation that failed for good fails the start unit too, as it
-    # failed the target's wait before.
+    # systemd fails the start job on the first transient failure while the
+    # unit retries; the start unit failing too would mark the system
+    # degraded on every such boot.
     start_unit.fail("systemctl", 1)
-    assert start_unit.run(lock).returncode == 1
+    done = start_unit.run(lock)
+    assert done.returncode == 0
+    assert "fdl-prepare.service says why" in done.stdout
 
 
 def test_during_a_switch_the_start_unit_returns_at_once_leaving_a_restart_for_after_it(start_unit, tmp_path):
