@@ -557,7 +557,7 @@ in
     warnings = lib.optionals cfg.backgroundOnSwitch (
       map (
         u:
-        "services.fdl-prepare.gatedUnits names ${u}, which ${lib.concatStringsSep " and " gatedWantedBy.${u}} wants: a nixos-rebuild switch that starts it waits for preparation through it. Set systemd.services.${lib.removeSuffix ".service" u}.wantedBy = [ ]; a successful preparation starts it."
+        "services.fdl-prepare.gatedUnits names ${u}, which ${lib.concatStringsSep " and " gatedWantedBy.${u}} wants: a nixos-rebuild switch that starts it waits for preparation through it. Leave it out of systemd.services.${lib.removeSuffix ".service" u}.wantedBy (or set that to lib.mkForce [ ]): a successful preparation starts it."
       ) (builtins.attrNames gatedWantedBy)
     );
 

@@ -533,7 +533,8 @@ class Field:
     env: Env | None = None
     # The type nix/module.nix gives settings.join.<key>, as a `lib.types`
     # expression (exported to nix/fields.json, which the module reads); None
-    # where the module decides the key itself and refuses it in settings.
+    # where the module decides the key itself (it declares `flake`, and
+    # refuses the others in settings, saying what decides them).
     nix: str | None = None
 
     @property

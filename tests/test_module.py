@@ -738,7 +738,7 @@ def test_a_gated_unit_a_target_wants_is_warned_about_in_the_background_mode(eval
     )
     (warning,) = unit.warnings
     assert "fdl-join.service" in warning and "multi-user.target" in warning
-    assert "systemd.services.fdl-join.wantedBy = [ ]" in warning
+    assert "systemd.services.fdl-join.wantedBy" in warning and "lib.mkForce [ ]" in warning
     quiet = evaluate_module(
         f'{{ services.fdl-prepare = {{ enable = true; backgroundOnSwitch = false; gatedUnits = [ "fdl-join.service" ]; }}; {join} }}'
     )
