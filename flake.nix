@@ -142,13 +142,48 @@
       # `nix fmt`: the formatter the Nix files here are written in.
       formatter = forSystems (system: (pkgsFor system).nixfmt-rfc-style);
 
-      # `nix flake check`: the app builds, and the code gates hold (ruff,
-      # mypy --strict, nixfmt; nix/checks.nix). Both need current nixpkgs,
+      # `nix flake check`: the app builds, the code gates hold (ruff,
+      # mypy --strict, nixfmt; nix/checks.nix), and the NixOS module
+      # evaluates as nixpkgs' own NixOS evaluates it, refusing a misspelt key
+      # or a mistyped value (nix/module-check.nix). All need current nixpkgs,
       # so they run on a box or a CI that can fetch it; the suite itself runs
-      # through scripts/test, which a build sandbox cannot host.
+      # through scripts/test, which a build sandbox cannot host (it runs the
+      # module check's cases against stand-ins, tests/module_eval.nix).
       checks = forSystems (system: {
         app = self.packages.${system}.fdl-prepare;
         gates = (pkgsFor system).callPackage ./nix/checks.nix { src = ./.; };
+        module =
+          let
+            outcome = import ./nix/module-check.nix {
+              inherit (nixpkgs) lib;
+              evalConfig =
+                modules:
+                nixpkgs.lib.nixosSystem {
+                  modules = [
+                    self.nixosModules.default
+                    {
+                      nixpkgs.hostPlatform = system;
+                      boot.isContainer = true;
+                      system.stateVersion = "25.11";
+                    }
+                  ]
+                  ++ modules;
+                };
+              # Every unit, the assertions and the warnings, as
+              # `nixos-rebuild build` evaluates them; nothing is built.
+              force = evaluated: evaluated.config.system.build.toplevel.drvPath;
+            };
+          in
+          # The typical configuration first, uncaught: if it does not
+          # evaluate, its own error says why.
+          builtins.seq outcome.typical (
+            if outcome.failed == [ ] then
+              (pkgsFor system).writeText "fdl-prepare-module-check" (
+                builtins.concatStringsSep "\n" (map (r: r.name) outcome.results) + "\n"
+              )
+            else
+              throw "checks.${system}.module: nixosModules.default breaks what nix/module-check.nix holds it to: ${builtins.concatStringsSep "; " outcome.failed}"
+          );
       });
 
       nixosModules.default = import ./nix/module.nix self;

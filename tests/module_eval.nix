@@ -22,6 +22,9 @@
   fakeRoot,
   systemdVersion ? "256.8",
   system ? "x86_64-linux",
+  # "configuration": the evaluated configuration; "check": the cases of
+  # nix/module-check.nix, with `configuration` added to each.
+  output ? "configuration",
 }:
 
 let
@@ -85,6 +88,9 @@ let
   pkgs = rec {
     stdenv.hostPlatform.system = system;
     writeText = name: text: builtins.toFile name text;
+    # The shell the unit's scripts are run with (ExecStart names it, so the
+    # script files need no executable bit, which builtins.toFile cannot set).
+    runtimeShell = "${bash}/bin/bash";
     formats.toml =
       { }:
       {
@@ -118,6 +124,8 @@ let
     findutils = fakePackage "findutils" "4.10.0";
     gnugrep = fakePackage "gnugrep" "3.11";
     gnused = fakePackage "gnused" "4.9";
+    bash = fakePackage "bash" "5.2p37";
+    util-linux = fakePackage "util-linux" "2.41";
   };
 
   self = {
@@ -222,6 +230,10 @@ let
         type = types.listOf types.unspecified;
         default = [ ];
       };
+      warnings = mkOption {
+        type = types.listOf types.str;
+        default = [ ];
+      };
       nix.package = mkOption {
         type = types.package;
         default = pkgs.nix;
@@ -237,17 +249,20 @@ let
     };
   };
 
-  nixos = lib.evalModules {
-    modules = [
-      standIns
-      (import ../nix/module.nix self)
-      (import configuration)
-    ];
-    specialArgs = { inherit pkgs; };
-  };
+  evalConfig =
+    modules:
+    lib.evalModules {
+      modules = [
+        standIns
+        (import ../nix/module.nix self)
+      ]
+      ++ modules;
+      specialArgs = { inherit pkgs; };
+    };
+
+  nixos = evalConfig [ (/. + configuration) ];
 
   cfg = nixos.config;
-  svc = cfg.systemd.services.fdl-prepare or null;
 
   # The unit file in the layout NixOS writes (nixos/lib/systemd-lib.nix).
   toOption = x: if x == true then "true" else if x == false then "false" else toString x;
@@ -259,6 +274,7 @@ let
       )
     );
   unitText =
+    svc:
     "[Unit]\n"
     + section svc.unitConfig
     + "\n[Service]\n"
@@ -269,36 +285,55 @@ let
     + lib.optionalString (!svc.stopIfChanged) "X-StopIfChanged=false\n"
     + section svc.serviceConfig
     + lib.optionalString (svc.wantedBy != [ ]) "\n[Install]\nWantedBy=${concatStringsSep " " svc.wantedBy}\n";
+
+  render = svc: {
+    inherit (svc)
+      description
+      wants
+      requires
+      after
+      before
+      wantedBy
+      requiredBy
+      environment
+      restartIfChanged
+      stopIfChanged
+      unitConfig
+      serviceConfig
+      ;
+    path = map toString svc.path;
+    unitText = unitText svc;
+  };
+
+  # nix/module-check.nix, the flake's evaluation check, run here against
+  # the stand-ins: `force` does what building NixOS's toplevel does with a
+  # configuration, evaluating every unit and throwing on a failed assertion.
+  moduleCheck = import ../nix/module-check.nix {
+    inherit lib;
+    evalConfig = modules: evalConfig ([ (/. + configuration) ] ++ modules);
+    force =
+      evaluated:
+      let
+        failed = lib.filter (a: !a.assertion) evaluated.config.assertions;
+      in
+      if failed != [ ] then
+        throw "Failed assertions:\n- ${concatMapStringsSep "\n- " (a: a.message) failed}"
+      else
+        builtins.deepSeq (lib.mapAttrs (_: unitText) evaluated.config.systemd.services) true;
+  };
 in
-{
-  failedAssertions = map (a: a.message) (lib.filter (a: !a.assertion) cfg.assertions);
-  systemdVersion = cfg.systemd.package.version;
-  service =
-    if svc == null then
-      null
-    else
-      {
-        inherit (svc)
-          description
-          wants
-          requires
-          after
-          before
-          wantedBy
-          requiredBy
-          environment
-          restartIfChanged
-          stopIfChanged
-          unitConfig
-          serviceConfig
-          ;
-        path = map toString svc.path;
-        unitText = unitText;
-      };
-  settings = cfg.services.fdl-prepare.settings;
-  # What the NixOS manual would render for each option.
-  options = map (o: {
-    inherit (o) name description type;
-    default = o.default.text or null;
-  }) (lib.filter (o: o.visible && !o.internal) (lib.optionAttrSetToDocList nixos.options.services.fdl-prepare));
-}
+if output == "check" then
+  { inherit (moduleCheck) typical results; }
+else
+  {
+    failedAssertions = map (a: a.message) (lib.filter (a: !a.assertion) cfg.assertions);
+    inherit (cfg) warnings;
+    systemdVersion = cfg.systemd.package.version;
+    services = lib.mapAttrs (_: render) cfg.systemd.services;
+    settings = cfg.services.fdl-prepare.settings;
+    # What the NixOS manual would render for each option.
+    options = map (o: {
+      inherit (o) name description type;
+      default = o.default.text or null;
+    }) (lib.filter (o: o.visible && !o.internal) (lib.optionAttrSetToDocList nixos.options.services.fdl-prepare));
+  }

@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 HARNESS = REPO / "tests" / "module_eval.nix"
 MODULE = REPO / "nix" / "module.nix"
 
+STORE_PATH = re.compile(r"/nix/store/[0-9a-z]{32}-[^\s\"'/]+")
+
 NIX_CONFIG = "substituters =\nexperimental-features = nix-command flakes\n"
 
 # What each stand-in package provides on the unit's PATH, from the host.
@@ -43,21 +45,29 @@ LINKED: dict[str, tuple[str, ...]] = {
     "fuse": ("fusermount",),
     "openssh": ("ssh",),
     "git": ("git",),
-    "systemd": ("systemctl",),
+    "systemd": ("systemctl", "systemd-run"),
+    "bash": ("bash",),
+    "util-linux": ("flock",),
 }
 
 
 @dataclass
 class Evaluated:
-    """One evaluation of the module: the failed assertions' messages and the
-    fdl-prepare service as NixOS would hold it (None when not enabled)."""
+    """One evaluation of the module: the failed assertions' messages, the
+    warnings, and the services as NixOS would hold them."""
 
     failed_assertions: list[str]
-    service: dict[str, Any] | None
+    warnings: list[str]
+    services: dict[str, dict[str, Any]]
     settings: dict[str, Any]
     systemd_version: str
     fake_root: Path
     options: list[dict[str, Any]]
+
+    @property
+    def service(self) -> dict[str, Any] | None:
+        """fdl-prepare.service, None when the module is not enabled."""
+        return self.services.get("fdl-prepare")
 
     @property
     def service_config(self) -> dict[str, Any]:
@@ -99,6 +109,25 @@ class ModuleEvaluator:
     def __call__(self, configuration: str, *, systemd_version: str = "256.8") -> Evaluated:
         """Evaluate the module with `configuration`, the body of a NixOS module
         (Nix text, e.g. `{ services.fdl-prepare.enable = true; }`)."""
+        raw = self.run(configuration, systemd_version=systemd_version)
+        return Evaluated(
+            failed_assertions=raw["failedAssertions"],
+            warnings=raw["warnings"],
+            services=raw["services"],
+            settings=raw["settings"],
+            systemd_version=raw["systemdVersion"],
+            fake_root=self.fake_root,
+            options=raw["options"],
+        )
+
+    def check(self, configuration: str = "{ }") -> dict[str, bool]:
+        """nix/module-check.nix's cases (the flake's module check), each
+        evaluated with `configuration` added: case name -> whether it held."""
+        raw = self.run(configuration, output="check")
+        assert raw["typical"] is True
+        return {r["name"]: r["ok"] for r in raw["results"]}
+
+    def run(self, configuration: str, *, systemd_version: str = "256.8", output: str = "configuration") -> Any:
         self.count += 1
         host = self.work / f"host-{self.count}.nix"
         host.write_text(configuration)
@@ -123,27 +152,28 @@ class ModuleEvaluator:
             "--argstr",
             "systemdVersion",
             systemd_version,
+            "--argstr",
+            "output",
+            output,
         ]
         env = dict(os.environ, NIX_CONFIG=NIX_CONFIG)
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
         if done.returncode != 0:
             raise EvalError(done.stderr)
-        raw = json.loads(done.stdout)
-        self.store_paths.update(re.findall(r"/nix/store/[0-9a-z]{32}-[^\s\"']+", done.stdout))
-        return Evaluated(
-            failed_assertions=raw["failedAssertions"],
-            service=raw["service"],
-            settings=raw["settings"],
-            systemd_version=raw["systemdVersion"],
-            fake_root=self.fake_root,
-            options=raw["options"],
-        )
+        self.store_paths.update(STORE_PATH.findall(done.stdout))
+        return json.loads(done.stdout)
 
     def cleanup(self) -> None:
         # Unrooted, content-addressed files; removing them keeps repeated runs
         # (each with its own fake root in the text) from piling up in the store.
-        for path in sorted(self.store_paths):
-            subprocess.run(["nix-store", "--delete", path], capture_output=True, timeout=60)
+        # The unit's scripts name a second script only inside their text.
+        paths = set(self.store_paths)
+        for path in self.store_paths:
+            if os.path.isfile(path) and os.path.getsize(path) < 1 << 20:
+                paths.update(STORE_PATH.findall(Path(path).read_text(errors="replace")))
+        if paths:
+            # One call: Nix deletes a referrer before what it refers to.
+            subprocess.run(["nix-store", "--delete", *sorted(paths)], capture_output=True, timeout=60)
 
 
 class EvalError(Exception):

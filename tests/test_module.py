@@ -9,12 +9,17 @@ ExecStart is run as written to check the exit codes it acts on.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 try:
     import tomllib
@@ -22,14 +27,18 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 import pytest
-from module_fixtures import NIX_CONFIG, EvalError
+from module_fixtures import NIX_CONFIG, REPO, EvalError
 
 from prepare import config as prepare_config
 from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT, EXIT_USAGE
+from prepare.config import fields_json
 from prepare.config.fields import TABLE
-from prepare.fail import Fail
+
+FIELDS_JSON = REPO / "nix" / "fields.json"
 
 ENABLED = "{ services.fdl-prepare.enable = true; }"
+# What switch-to-configuration holds while it runs.
+SWITCH_LOCK = "/run/nixos/switch-to-configuration.lock"
 
 
 def host(body: str) -> str:
@@ -63,10 +72,28 @@ def systemd_version() -> int | None:
 
 def test_the_unit_is_a_oneshot_that_stays_active_once_prepared(evaluate_module):
     unit = evaluate_module(ENABLED)
-    assert unit.failed_assertions == []
+    assert unit.failed_assertions == [] and unit.warnings == []
     assert unit.service_config["Type"] == "oneshot"
     assert unit.service_config["RemainAfterExit"] is True
-    assert unit.service["wantedBy"] == ["multi-user.target"]
+
+
+def test_at_boot_multi_user_target_waits_for_the_first_attempt_in_both_switch_modes(evaluate_module):
+    # Background (the default): the target wants fdl-prepare-start.service,
+    # a oneshot whose start (outside a switch) is `systemctl start
+    # fdl-prepare.service`, so the target's own ordering waits through it.
+    background = evaluate_module(ENABLED)
+    start = background.services["fdl-prepare-start"]
+    assert start["wantedBy"] == ["multi-user.target"] and background.service["wantedBy"] == []
+    assert start["serviceConfig"]["Type"] == "oneshot" and start["serviceConfig"]["RemainAfterExit"] is True
+    argv = shlex.split(start["serviceConfig"]["ExecStart"])
+    assert argv[0] == f"{background.fake_root}/bash/bin/bash"
+    assert argv[2:] == [SWITCH_LOCK]
+    script = Path(argv[1]).read_text()
+    assert f"{background.fake_root}/systemd/bin/systemctl start fdl-prepare.service" in script
+    # Off: the target wants the unit itself, as before the option existed.
+    waiting = evaluate_module(host("backgroundOnSwitch = false;"))
+    assert waiting.service["wantedBy"] == ["multi-user.target"]
+    assert "fdl-prepare-start" not in waiting.services
 
 
 def test_transient_failures_are_retried_and_permanent_ones_stop_the_loop(evaluate_module):
@@ -179,7 +206,9 @@ def test_every_option_is_documented_for_the_manual(evaluate_module):
         "settings.join.data_source",
         "settings.join.ssh.identity_file",
         "settings.join.source.from",
-        "before",
+        "settings.join.list_timeout",
+        "gatedUnits",
+        "backgroundOnSwitch",
         "sshAuthSock",
     ):
         assert f"services.fdl-prepare.{name}" in names, name
@@ -205,6 +234,13 @@ def _type_descriptions(lib: Path, expressions: dict[str, str]) -> dict[str, str]
     return json.loads(done.stdout)
 
 
+# The keys of the table the module does not type from it: `flake` it
+# declares itself (its `flake` option gives the default); the others are
+# decided by the unit and the system, and refused with a message.
+MODULE_OWN = {"flake"}
+REFUSED = {"state_dir": "StateDirectory=", "driver_dir": "/run/opengl-driver/lib"}
+
+
 def test_the_modules_typed_settings_are_the_field_tables_with_its_types(evaluate_module, module_nixpkgs_lib):
     unit = evaluate_module(ENABLED)
     typed = {
@@ -213,14 +249,117 @@ def test_the_modules_typed_settings_are_the_field_tables_with_its_types(evaluate
         if o["name"].startswith(SETTINGS) and o["name"].removeprefix(SETTINGS) not in TABLE.subtables
     }
     wanted = {f.key: f for f in TABLE.fields if f.nix is not None}
-    # Both ways: a field the table says the module types is there, and the
-    # module types nothing the table does not know (or leaves free-form).
-    assert set(typed) == set(wanted)
+    # Both ways: a field the table types is an option with that type, and
+    # the module offers nothing else but its own `flake`.
+    assert set(typed) == set(wanted) | MODULE_OWN
+    assert {f.key for f in TABLE.fields if f.nix is None} == MODULE_OWN | set(REFUSED)
     types = _type_descriptions(module_nixpkgs_lib, {k: f.nix for k, f in wanted.items() if f.nix})
     for key, f in wanted.items():
         assert typed[key]["type"] == types[key], key
         # Unset (null) leaves the key out of the file, so the table's default applies.
         assert typed[key]["default"] in ("null", json.dumps(f.default)), key
+
+
+def test_the_committed_fields_json_is_what_the_field_table_exports_now():
+    committed = FIELDS_JSON.read_text()
+    assert committed == fields_json.render(), (
+        f"nix/fields.json differs from prepare/config/fields.py's table; regenerate it: `{fields_json.COMMAND}` "
+        "(from the repository root, with the package's Python)"
+    )
+    exported = json.loads(committed)
+    assert [f["key"] for f in exported["fields"]] == [f.key for t in TABLE.tables.values() for f in t.values()]
+    assert exported["tables"] == TABLE.subtables
+    # What an operator reads in the manual when the module adds no prose of its own.
+    by_key = {f["key"]: f for f in exported["fields"]}
+    assert by_key["list_timeout"]["description"] == TABLE.by_key["list_timeout"].help
+    assert by_key["devices"]["example"] == [0, 1] and by_key["cpu_only"]["default"] is False
+
+
+def test_the_fields_json_command_writes_the_committed_file():
+    out = subprocess.run(
+        [sys.executable, "-m", fields_json.__name__], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout == FIELDS_JSON.read_text()
+
+
+@pytest.mark.parametrize(
+    ("expression", "tree"),
+    [
+        ("str", "str"),
+        ("nullOr str", ["nullOr", "str"]),
+        ("nullOr (listOf ints.unsigned)", ["nullOr", ["listOf", "ints.unsigned"]]),
+        ("nullOr (numbers.between 0.1 3600)", ["nullOr", ["numbers.between", 0.1, 3600]]),
+        (" (ints.between 1 65535) ", ["ints.between", 1, 65535]),
+    ],
+)
+def test_a_types_expression_becomes_the_tree_nix_applies(expression, tree):
+    assert fields_json.type_tree(expression) == tree
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ['strMatching "a.*"', "nullOr (str", "str)", "()", "1", "(listOf str) int", "x: x", "[ str ]"],
+)
+def test_anything_but_a_types_expression_is_refused_by_the_export(expression):
+    with pytest.raises(ValueError, match="nix type"):
+        fields_json.type_tree(expression)
+
+
+# Values of every TOML kind, at and past the bounds the table's checkers
+# draw (ports, counts, each timeout's range, device lists).
+PROBES: list[Any] = [
+    "", " ", "x", "/abs/path", "sshfs://data@h:/srv/d", "git+https://h/r?ref=main",
+    0, 1, -1, 8, 22, 65535, 65536, 3600, 3601, 86400, 86401, 2592000, 2592001,
+    0.05, 0.1, 0.5, 1.0, 2.5, 3600.5,
+    True, False,
+    [], [0, 1], [0, 0], [-1], ["0"], ["a"], ["StrictHostKeyChecking=accept-new"], [""], [1.5],
+    {"a": 1},
+]  # fmt: skip
+
+
+def _nix_accepts(lib: Path, probes: dict[str, list[Any]], tmp_path: Path) -> dict[str, list[bool]]:
+    """Whether each probe evaluates as a definition of the option the module
+    builds for that key (nix/fields.nix, the module's own type interpreter)."""
+    data = tmp_path / "probes.json"
+    data.write_text(json.dumps(probes))
+    expression = f"""
+      let
+        lib = import {lib};
+        fields = builtins.listToAttrs (map (f: {{ name = f.key; value = f; }})
+          (import {REPO}/nix/fields.nix {{ inherit lib; own = [ "flake" "state_dir" "driver_dir" ]; }}).fields);
+        typeOf = (import {REPO}/nix/fields.nix {{ inherit lib; }}).typeOf;
+        accepts = key: value: (builtins.tryEval (builtins.deepSeq (lib.evalModules {{
+          modules = [ {{ options.x = lib.mkOption {{ type = typeOf fields.${{key}}.type; }}; config.x = value; }} ];
+        }}).config.x true)).success;
+      in builtins.mapAttrs (key: values: map (accepts key) values)
+        (builtins.fromJSON (builtins.readFile {data}))
+    """
+    done = subprocess.run(
+        ["nix-instantiate", "--eval", "--strict", "--json", "--expr", expression],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, NIX_CONFIG=NIX_CONFIG),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_the_modules_types_and_fdl_prepares_checks_agree_on_every_probe(module_nixpkgs_lib, tmp_path):
+    typed = [f for f in TABLE.fields if f.nix is not None]
+    nix = _nix_accepts(module_nixpkgs_lib, {f.key: PROBES for f in typed}, tmp_path)
+    for f in typed:
+        for value, nix_ok in zip(PROBES, nix[f.key], strict=True):
+            python_ok = f.kind.check(value) is None
+            what = f"join.{f.key} = {value!r}: Nix {'takes' if nix_ok else 'refuses'} it, fdl-prepare {'takes' if python_ok else 'refuses'} it"
+            # The module never refuses what fdl-prepare takes.
+            assert nix_ok or not python_ok, what
+            # And refuses what fdl-prepare does, but for what only a string's
+            # or a list's content says (a URL's pin, a path, a device twice),
+            # which the CLI checks at start: a wrong kind of value, or a
+            # number out of range, fails the evaluation.
+            if nix_ok and not python_ok:
+                assert isinstance(value, (str, list)), what
 
 
 # -- the rendered settings -----------------------------------------------------
@@ -318,33 +457,75 @@ def test_a_flake_in_settings_outranks_the_flake_option(evaluate_module):
     assert prepare_config.load(unit.config_path)["flake"] == "github:example/a"
 
 
-def test_a_misspelt_free_form_key_is_refused_by_the_cli_naming_the_right_one(evaluate_module):
-    # Free-form settings pass any key to the file; the CLI is what refuses a
-    # typo, permanently, at the first start.
-    unit = evaluate_module(host('settings.join.data_sorce = "sshfs://x/y";'))
-    with pytest.raises(Fail) as caught:
-        prepare_config.load(unit.config_path)
-    assert caught.value.permanent
-    assert "data_sorce" in caught.value.message and "data_source" in caught.value.message
-
-
-def test_a_mistyped_typed_option_is_refused_at_evaluation_naming_the_option(evaluate_module):
+@pytest.mark.parametrize(
+    ("body", "option", "meant"),
+    [
+        ('settings.join.libtroch = "cpu";', "settings.join.libtroch", "settings.join.libtorch"),
+        ('settings.join.data_sorce = "sshfs://x/y";', "settings.join.data_sorce", "settings.join.data_source"),
+        ("settings.join.ssh.prot = 22;", "settings.join.ssh.prot", "settings.join.ssh.port"),
+        ('settings.jion.libtorch = "cpu";', "settings.jion", "settings.join"),
+    ],
+    ids=["in join", "another in join", "in a sub-table", "a table beside join"],
+)
+def test_a_misspelt_key_is_refused_at_evaluation_naming_it_and_the_key_meant(evaluate_module, body, option, meant):
     with pytest.raises(EvalError) as caught:
-        evaluate_module(host('settings.join.devices = [ "0" ];'))
-    assert "services.fdl-prepare.settings.join.devices" in str(caught.value)
+        evaluate_module(host(body))
+    message = str(caught.value)
+    assert f"The option `services.fdl-prepare.{option}' does not exist" in message
+    assert f"`services.fdl-prepare.{meant}'" in message
+    # Where the definition is, for the operator who has many files.
+    assert "host-1.nix" in message
+
+
+@pytest.mark.parametrize(
+    ("body", "option", "kind"),
+    [
+        ('settings.join.devices = [ "0" ];', "settings.join.devices", "unsigned integer"),
+        ("settings.join.ssh.port = 70000;", "settings.join.ssh.port", "integer between 1 and 65535"),
+        ("settings.join.ssh.port = 0;", "settings.join.ssh.port", "integer between 1 and 65535"),
+        ('settings.join.cpu_only = "yes";', "settings.join.cpu_only", "boolean"),
+        ("settings.join.smoke_timeout = 0.5;", "settings.join.smoke_timeout", "between 1 and 86400"),
+        ("settings.join.expect_gpus = 0;", "settings.join.expect_gpus", "positive integer"),
+    ],
+    ids=["devices", "port too high", "port zero", "boolean", "timeout range", "count"],
+)
+def test_a_mistyped_option_is_refused_at_evaluation_naming_the_option(evaluate_module, body, option, kind):
     with pytest.raises(EvalError) as caught:
-        evaluate_module(host("settings.join.ssh.port = 70000;"))
-    assert "services.fdl-prepare.settings.join.ssh.port" in str(caught.value)
+        evaluate_module(host(body))
+    message = str(caught.value)
+    assert f"services.fdl-prepare.{option}" in message
+    assert "is not of type" in message and kind in message
 
 
-def test_the_toml_writer_stand_in_round_trips_awkward_strings_and_keys(evaluate_module):
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_a_key_the_unit_or_the_system_decides_is_refused_saying_what_decides_it(evaluate_module, key):
+    unit = evaluate_module(host(f'settings.join.{key} = "/srv/elsewhere";'))
+    (message,) = unit.failed_assertions
+    assert f'services.fdl-prepare.settings.join.{key} = "/srv/elsewhere"' in message
+    assert REFUSED[key] in message and "Remove it" in message
+
+
+def test_the_timeouts_and_refresh_are_typed_and_reach_the_file(evaluate_module):
+    unit = evaluate_module(
+        host("settings.join = { list_timeout = 2.5; build_timeout = 7200; smoke_timeout = 90; refresh = true; };")
+    )
+    table = prepare_config.load(unit.config_path)
+    assert (table["list_timeout"], table["build_timeout"], table["smoke_timeout"]) == (2.5, 7200, 90)
+    assert table["refresh"] is True
+    spec = prepare_config.resolve(table, {}, {})
+    assert (spec.list_timeout_s, spec.build_timeout_s, spec.smoke_timeout_s, spec.refresh) == (2.5, 7200.0, 90.0, True)
+
+
+def test_the_toml_writer_stand_in_round_trips_awkward_strings_lists_and_floats(evaluate_module):
     unit = evaluate_module(
         host(
             r"""
             flake = null;
             settings.join.source.build = "make \"all\" && echo 'done' # not a comment\n\tnext line \\ back";
             settings.join.source.bin = "träin-ü";
-            settings.other = { "a.b" = 1; "with space" = [ true false ]; nested.deeper = { x = 1.5; }; };
+            settings.join.source.smoke = [ "--say=\"ok\"" "tab\tand ü" ];
+            settings.join.list_timeout = 1.5;
+            settings.join.ssh.options = [ ];
             """
         )
     )
@@ -352,12 +533,14 @@ def test_the_toml_writer_stand_in_round_trips_awkward_strings_and_keys(evaluate_
     expected = {
         "join": {
             "cpu_only": False,
+            "list_timeout": 1.5,
             "source": {
                 "build": "make \"all\" && echo 'done' # not a comment\n\tnext line \\ back",
                 "bin": "träin-ü",
+                "smoke": ['--say="ok"', "tab\tand ü"],
             },
+            "ssh": {"options": []},
         },
-        "other": {"a.b": 1, "with space": [True, False], "nested": {"deeper": {"x": 1.5}}},
     }
     assert loaded == expected
     assert prepare_config.load(unit.config_path) == expected["join"]
@@ -366,34 +549,203 @@ def test_the_toml_writer_stand_in_round_trips_awkward_strings_and_keys(evaluate_
 # -- re-preparing on a settings change ----------------------------------------
 
 
-def test_a_settings_change_changes_the_unit_so_switch_restarts_it(evaluate_module):
+def _triggers(unit, name: str = "fdl-prepare-start") -> str:
+    (path,) = [v for k, v in unit_sections(unit.services[name]["unitText"])["Unit"] if k == "X-Restart-Triggers"]
+    return Path(path).read_text()
+
+
+def test_in_the_background_mode_a_settings_change_restarts_the_start_unit_not_the_switch_waiting_on_preparation(
+    evaluate_module,
+):
     a = evaluate_module(host('settings.join.data_path = "/flodl/data";'))
     b = evaluate_module(host('settings.join.data_path = "/flodl/other";'))
     again = evaluate_module(host('settings.join.data_path = "/flodl/data";'))
     assert a.service_config["ExecStart"] != b.service_config["ExecStart"]
+    # What the switch compares: the start unit's triggers carry the
+    # preparation's command line (and so its config file), environment and
+    # post-start, so a change there restarts the start unit...
+    assert a.service_config["ExecStart"] in _triggers(a)
+    assert _triggers(a) != _triggers(b) and _triggers(a) == _triggers(again)
+    start = a.services["fdl-prepare-start"]
+    assert start["restartIfChanged"] is True and start["stopIfChanged"] is False
+    # ... and the switch leaves preparation itself alone.
+    assert a.service["restartIfChanged"] is False
+    assert "X-RestartIfChanged=false" in a.service["unitText"]
+    assert "X-RestartIfChanged=false" not in start["unitText"]
+
+
+def test_with_background_on_switch_off_a_settings_change_changes_the_unit_so_switch_restarts_it(evaluate_module):
+    off = "backgroundOnSwitch = false; "
+    a = evaluate_module(host(off + 'settings.join.data_path = "/flodl/data";'))
+    b = evaluate_module(host(off + 'settings.join.data_path = "/flodl/other";'))
+    again = evaluate_module(host(off + 'settings.join.data_path = "/flodl/data";'))
+    assert a.service_config["ExecStart"] != b.service_config["ExecStart"]
     assert a.service_config["ExecStart"] == again.service_config["ExecStart"]
     assert a.service["restartIfChanged"] is True
     # One `systemctl restart` after activation, so Requires= carries the
-    # restart to the units in `before`.
+    # restart to the gated units.
     assert a.service["stopIfChanged"] is False
     assert "X-StopIfChanged=false" in a.service["unitText"]
     assert "X-RestartIfChanged=false" not in a.service["unitText"]
 
 
+@pytest.fixture
+def start_unit(evaluate_module, tmp_path):
+    """fdl-prepare-start.service's script, runnable as systemd runs it, with
+    systemctl and systemd-run replaced by recorders (no systemd is PID 1
+    here) and the real flock; each recorder appends its argv to calls.log
+    (one call a line, arguments apart by US, \\x1f) and exits with the
+    status in its own .status file (0 when there is none)."""
+    unit = evaluate_module(ENABLED)
+    bin_dir = unit.fake_root / "systemd" / "bin"
+    log = tmp_path / "calls.log"
+    for name in ("systemctl", "systemd-run"):
+        (bin_dir / name).unlink()
+        # Builtins only: the unit's scripts run with no PATH of use.
+        (bin_dir / name).write_text(
+            "#!/bin/sh\n"
+            f'{{ printf %s {name}; for a in "$@"; do printf \'\\037%s\' "$a"; done; echo; }} >> {log}\n'
+            'if [ -f "$0.status" ]; then read -r status < "$0.status"; exit "$status"; fi\n'
+        )
+        (bin_dir / name).chmod(0o755)
+    argv = shlex.split(unit.services["fdl-prepare-start"]["serviceConfig"]["ExecStart"])
+    assert argv[-1] == SWITCH_LOCK
+
+    class Start:
+        root = unit.fake_root
+        calls = log
+
+        @staticmethod
+        def run(lock: Path, **kw) -> subprocess.CompletedProcess[str]:
+            # Run as systemd would, with the lock this test holds or not.
+            return subprocess.run(
+                [*argv[:-1], str(lock)], env={"PATH": "/nonexistent"}, capture_output=True, text=True, timeout=30, **kw
+            )
+
+        @staticmethod
+        def logged() -> list[list[str]]:
+            return [line.split("\x1f") for line in log.read_text().splitlines()] if log.exists() else []
+
+        @staticmethod
+        def fail(name: str, status: int) -> None:
+            (bin_dir / f"{name}.status").write_text(str(status))
+
+    return Start
+
+
+@contextlib.contextmanager
+def switch_in_progress(lock: Path):
+    """The lock held as switch-to-configuration holds it (flock(2),
+    exclusive, on a descriptor of its own) for as long as the block runs."""
+    fd = os.open(lock, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("lock_exists", [False, True], ids=["no lock file (boot)", "a lock nobody holds"])
+def test_outside_a_switch_the_start_unit_waits_for_the_first_attempt_and_leaves_its_result_to_preparation(
+    start_unit, tmp_path, lock_exists
+):
+    lock = tmp_path / "nixos" / "switch-to-configuration.lock"
+    if lock_exists:
+        lock.parent.mkdir()
+        lock.touch()
+    done = start_unit.run(lock)
+    assert done.returncode == 0, done.stderr
+    assert start_unit.logged() == [["systemctl", "start", "fdl-prepare.service"]]
+    # systemd fails the start job on the first transient failure while the
+    # unit retries; the start unit failing too would mark the system
+    # degraded on every such boot.
+    start_unit.fail("systemctl", 1)
+    done = start_unit.run(lock)
+    assert done.returncode == 0
+    assert "fdl-prepare.service says why" in done.stdout
+
+
+def test_during_a_switch_the_start_unit_returns_at_once_leaving_a_restart_for_after_it(start_unit, tmp_path):
+    lock = tmp_path / "switch-to-configuration.lock"
+    lock.touch()
+    with switch_in_progress(lock):
+        done = start_unit.run(lock)
+        assert done.returncode == 0, done.stderr
+        assert "a switch is in progress" in done.stdout
+        (call,) = start_unit.logged()
+        # Nothing started now: a transient unit waits for the switch.
+        assert call[:2] == ["systemd-run", "--no-block"]
+        assert "--unit=fdl-prepare-after-switch" in call and "--collect" in call
+        after = call[call.index("--") + 1 :]
+        assert after[0] == f"{start_unit.root}/bash/bin/bash" and after[2:] == [str(lock)]
+        assert after[1].endswith("-fdl-prepare-after-switch.sh")
+
+        # That unit's command, run for real: it waits while the switch runs...
+        waiting = subprocess.Popen(
+            after, env={"PATH": "/nonexistent"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        with pytest.raises(subprocess.TimeoutExpired):
+            waiting.wait(timeout=1)
+        assert start_unit.logged() == [call]
+    # ... and restarts preparation, without waiting on it, once the switch is over.
+    assert waiting.wait(timeout=10) == 0, waiting.stderr.read() if waiting.stderr else ""
+    assert start_unit.logged() == [call, ["systemctl", "restart", "--no-block", "fdl-prepare.service"]]
+
+
+def test_a_second_start_in_one_switch_leaves_the_first_ones_restart_waiting(start_unit, tmp_path):
+    lock = tmp_path / "switch-to-configuration.lock"
+    lock.touch()
+    # systemd-run refuses a unit name that exists: the first start's unit is still waiting.
+    start_unit.fail("systemd-run", 1)
+    with switch_in_progress(lock):
+        done = start_unit.run(lock)
+    assert done.returncode == 0, done.stderr
+    assert start_unit.logged()[1] == ["systemctl", "--quiet", "is-active", "fdl-prepare-after-switch.service"]
+    # Were it gone (it failed to start at all), the start unit says so by failing.
+    start_unit.fail("systemctl", 3)
+    with switch_in_progress(lock):
+        assert start_unit.run(lock).returncode == 3
+
+
 # -- units that run on a prepared box -------------------------------------------
 
 
-def test_units_named_in_before_require_preparation_and_are_started_once_it_succeeds(evaluate_module):
-    unit = evaluate_module(host('before = [ "fdl-join.service" ];'))
-    assert unit.failed_assertions == []
+def test_gated_units_require_preparation_and_are_started_once_it_succeeds(evaluate_module):
+    unit = evaluate_module(host('gatedUnits = [ "fdl-join.service" ];'))
+    assert unit.failed_assertions == [] and unit.warnings == []
     assert unit.service["before"] == ["fdl-join.service"]
     assert unit.service["requiredBy"] == ["fdl-join.service"]
     (post,) = unit.service_config["ExecStartPost"]
     assert post == f"{unit.fake_root}/systemd/bin/systemctl start --no-block -- fdl-join.service"
     assert ("Before", "fdl-join.service") in unit_sections(unit.service["unitText"])["Unit"]
+    # A change to the gated units changes what preparation does after it succeeds: it re-prepares.
+    assert post in _triggers(unit)
 
 
-def test_with_nothing_in_before_preparation_starts_no_other_unit(evaluate_module):
+def test_the_old_name_before_is_still_taken_with_a_warning_naming_the_new_one(evaluate_module):
+    old = evaluate_module(host('before = [ "fdl-join.service" ];'))
+    new = evaluate_module(host('gatedUnits = [ "fdl-join.service" ];'))
+    assert old.services == new.services
+    (warning,) = old.warnings
+    assert "services.fdl-prepare.before" in warning and "services.fdl-prepare.gatedUnits" in warning
+    assert "services.fdl-prepare.before" not in {o["name"] for o in old.options}
+
+
+def test_a_gated_unit_a_target_wants_is_warned_about_in_the_background_mode(evaluate_module):
+    join = 'systemd.services.fdl-join = { wantedBy = [ "multi-user.target" ]; };'
+    unit = evaluate_module(
+        f'{{ services.fdl-prepare = {{ enable = true; gatedUnits = [ "fdl-join.service" ]; }}; {join} }}'
+    )
+    (warning,) = unit.warnings
+    assert "fdl-join.service" in warning and "multi-user.target" in warning
+    assert "systemd.services.fdl-join.wantedBy" in warning and "lib.mkForce [ ]" in warning
+    quiet = evaluate_module(
+        f'{{ services.fdl-prepare = {{ enable = true; backgroundOnSwitch = false; gatedUnits = [ "fdl-join.service" ]; }}; {join} }}'
+    )
+    assert quiet.warnings == []
+
+
+def test_with_nothing_gated_preparation_starts_no_other_unit(evaluate_module):
     unit = evaluate_module(ENABLED)
     assert unit.service["before"] == [] and unit.service["requiredBy"] == []
     assert "ExecStartPost" not in unit.service_config
@@ -480,30 +832,36 @@ def test_a_relative_data_path_is_refused(evaluate_module):
     assert "services.fdl-prepare.settings.join.data_path" in message and '"flodl/data"' in message
 
 
-def test_before_takes_full_unit_names(evaluate_module):
-    unit = evaluate_module(host('before = [ "fdl-join" ];'))
+def test_gated_units_take_full_unit_names(evaluate_module):
+    unit = evaluate_module(host('gatedUnits = [ "fdl-join" ];'))
     (message,) = unit.failed_assertions
-    assert "services.fdl-prepare.before" in message and "fdl-join.service" in message
+    assert "services.fdl-prepare.gatedUnits" in message and "fdl-join.service" in message
 
 
 # -- the generated unit, for real --------------------------------------------------
 
 
-def test_the_generated_unit_passes_systemd_analyze_verify(evaluate_module, tmp_path):
+@pytest.mark.parametrize("background", [True, False], ids=["background on switch", "switch waits"])
+def test_the_generated_units_pass_systemd_analyze_verify(evaluate_module, tmp_path, background):
     version = systemd_version()
     if version is None:
         pytest.skip("systemd-analyze is not installed")
-    unit = evaluate_module(host('before = [ "fdl-join.service" ];'), systemd_version=str(version))
-    path = tmp_path / "units" / "fdl-prepare.service"
-    path.parent.mkdir()
-    path.write_text(unit.service["unitText"])
+    body = f'gatedUnits = [ "fdl-join.service" ]; backgroundOnSwitch = {str(background).lower()};'
+    unit = evaluate_module(host(body), systemd_version=str(version))
+    assert set(unit.services) == ({"fdl-prepare", "fdl-prepare-start"} if background else {"fdl-prepare"})
+    units = tmp_path / "units"
+    units.mkdir()
+    paths = []
+    for name, service in unit.services.items():
+        paths.append(units / f"{name}.service")
+        paths[-1].write_text(service["unitText"])
     done = subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", str(path)], capture_output=True, text=True, timeout=60
+        ["systemd-analyze", "verify", "--man=no", *map(str, paths)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    # Evaluated for the systemd installed here, the unit has no key it does not know.
+    # Evaluated for the systemd installed here, the units have no key it does not know.
     assert "Unknown key" not in done.stderr, done.stderr
-    assert "fdl-prepare.service" not in done.stderr, done.stderr
+    assert "fdl-prepare" not in done.stderr, done.stderr
 
 
 def _run_exec_start(unit, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -563,3 +921,70 @@ def test_the_generated_execstart_exits_75_on_a_transient_failure_which_is_retrie
     assert done.returncode not in unit.prevent_exit_statuses
     assert unit.service_config["Restart"] == "on-failure"
     assert not os.path.ismount(mountpoint)
+
+
+# -- the flake's module check ------------------------------------------------------
+
+
+def test_the_flakes_module_check_holds_for_the_module(evaluate_module):
+    results = evaluate_module.check()
+    assert len(results) >= 8
+    assert all(results.values()), [name for name, ok in results.items() if not ok]
+
+
+def test_the_flakes_module_check_fails_for_a_module_whose_settings_are_free_form_again(evaluate_module):
+    # The regression the check is there for: `join` (and the file) taking any key.
+    loosened = """
+      { lib, ... }:
+      let anyKey = lib.types.attrsOf lib.types.anything; in {
+        options.services.fdl-prepare.settings = lib.mkOption {
+          type = lib.types.submodule {
+            freeformType = anyKey;
+            options.join = lib.mkOption { type = lib.types.submodule { freeformType = anyKey; }; };
+          };
+        };
+      }
+    """
+    results = evaluate_module.check(loosened)
+    failed = {name for name, ok in results.items() if not ok}
+    assert failed == {
+        "a misspelt key in settings.join fails evaluation",
+        "a misspelt table beside join fails evaluation",
+    }
+
+
+def test_the_fields_module_refuses_a_table_and_a_module_that_disagree(module_nixpkgs_lib, tmp_path):
+    exported = json.loads(FIELDS_JSON.read_text())
+    for f in exported["fields"]:
+        if f["key"] == "list_timeout":
+            f["type"] = None
+    doctored = tmp_path / "fields.json"
+    doctored.write_text(json.dumps(exported))
+    expression = (
+        f"(import {REPO}/nix/fields.nix {{ lib = import {module_nixpkgs_lib}; file = {doctored};"
+        ' own = [ "flake" "state_dir" "driver_dir" ]; docs.source.bin = { description = "x"; }; }).options'
+    )
+    done = subprocess.run(
+        ["nix-instantiate", "--eval", "--strict", "--expr", expression],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, NIX_CONFIG=NIX_CONFIG),
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "nix/fields.json and nix/module.nix disagree" in done.stderr
+    assert "leaves join.list_timeout untyped" in done.stderr and "regenerate nix/fields.json" in done.stderr
+    assert "documents join.source, which the field table does not have" in done.stderr
+
+
+@pytest.mark.parametrize("path", ["flake.nix", "nix/module.nix", "nix/fields.nix", "nix/module-check.nix"])
+def test_the_nix_the_flake_check_evaluates_parses(path):
+    # The flake's check needs current nixpkgs, which this box's Nix cannot
+    # evaluate; its cases run above through the stand-ins, and its wiring
+    # must at least parse.
+    if shutil.which("nix-instantiate") is None:
+        pytest.skip("nix-instantiate is not installed (apt install nix-bin)")
+    done = subprocess.run(["nix-instantiate", "--parse", str(REPO / path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    if path == "flake.nix":
+        assert "module-check.nix" in done.stdout and "nixosSystem" in done.stdout

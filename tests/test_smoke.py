@@ -141,8 +141,16 @@ def test_smoke_arguments_the_kernel_refuses_are_transient_not_a_missing_binary(p
 
 
 def test_the_binary_runs_in_its_cwd_with_the_arguments_given(public):
-    binary = script(public / "train", '[ "$(pwd)" = "$1" ] && [ "$2" = "two words" ]\n')
-    smoke.run(binary, [str(public), "two words"], 30, [])
+    # The binary writes down where it ran and what it was given; the test
+    # reads that back, so a run in another directory or with the arguments
+    # split differently is seen, not only a non-zero exit.
+    seen = public / "seen"
+    seen.mkdir(mode=0o1777)
+    seen.chmod(0o1777)  # the run may not be root: a place it can write
+    seen = seen / "where"
+    binary = script(public / "train", 'pwd > "$1"; printf "%s\\n" "$#" "$2" >> "$1"\n')
+    smoke.run(binary, [str(seen), "two words"], 30, [])
+    assert seen.read_text().splitlines() == [str(public), "2", "two words"]
 
 
 # -- the training source's code, run as the training would ------------------------------------

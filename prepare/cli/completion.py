@@ -193,9 +193,7 @@ def _fish(options: tuple[Option, ...], commands: tuple[Command, ...]) -> str:
     lines.append(f"complete -c {NAME} -f")
     lines += _fish_lines(options, "__fish_use_subcommand")
     for c in commands:
-        lines.append(
-            f"complete -c {NAME} -n '__fish_use_subcommand' -a {c.name} -d {_fish_quote(c.help)}"
-        )
+        lines.append(f"complete -c {NAME} -n '__fish_use_subcommand' -a {c.name} -d {_fish_quote(c.help)}")
         seen = f"__fish_seen_subcommand_from {c.name}"
         lines += _fish_lines(c.options, seen)
         if c.choices:

@@ -4,10 +4,12 @@ environment fallback, its help text, and the type the NixOS module gives it.
 
 Everything else derives from `TABLE`: the CLI's options (`prepare.cli`), the
 TOML schema, the precedence in `resolve`, the checks a spec built in code
-gets (`prepare.plan`), the unknown-key suggestions (`config.schema`), and the
-tests that hold `nix/module.nix` to it. Adding a key is one `Field` here, one
-attribute on the spec for the step that reads it, and, if the module types
-it, its option there (a test says so when it is missing).
+gets (`prepare.plan`), the unknown-key suggestions (`config.schema`), and
+the NixOS module's `settings.join` options (`prepare.config.fields_json`
+exports the table to nix/fields.json, which nix/module.nix reads). Adding a
+key is one `Field` here, one attribute on the spec for the step that reads
+it, and `python -m prepare.config.fields_json > nix/fields.json` (a test
+says so when the committed file is stale).
 
 Rules that involve more than one field (`RULES`) live here too, and the plan
 runs them the same way on a resolved config and on a spec a join loop built
@@ -88,7 +90,9 @@ class Field:
     default: Any = None
     env: Env | None = None
     # The type nix/module.nix gives settings.join.<key>, as a `lib.types`
-    # expression; None where the module passes the key free-form.
+    # expression (exported to nix/fields.json, which the module reads); None
+    # where the module decides the key itself (it declares `flake`, and
+    # refuses the others in settings, saying what decides them).
     nix: str | None = None
 
     @property
@@ -162,7 +166,7 @@ FIELDS: tuple[Field, ...] = (
         nix="bool",
         help="Skip the GPU gate (CPU-only workers, demos); only the cpu libtorch is allowed.",
     ),
-    # Not typed by the module: on NixOS the system keeps the driver directory.
+    # Not in the module's settings: on NixOS the system keeps the driver directory (the module says so).
     Field(
         key="driver_dir",
         flag="--driver-dir",
@@ -173,7 +177,7 @@ FIELDS: tuple[Field, ...] = (
         help="Where links to the host's NVIDIA libraries are kept for Nix-built programs on a box that is not NixOS. "
         f"Default: {DRIVER_DIR} (nixpkgs' addDriverRunpath).",
     ),
-    # The module writes `flake` from its own `flake` option, not a settings one.
+    # The module declares settings.join.flake itself, defaulting to its own `flake` option.
     Field(
         key="flake",
         flag="--flake",
@@ -183,7 +187,7 @@ FIELDS: tuple[Field, ...] = (
         env=Env(FLAKE_ENV),
         help="Flake providing libtorch variants and the training build. Default: $FDL_PREPARE_FLAKE.",
     ),
-    # Under the module, systemd's StateDirectory= decides it.
+    # Under the module, systemd's StateDirectory= decides it (the module says so).
     Field(
         key="state_dir",
         flag="--state-dir",
@@ -194,7 +198,6 @@ FIELDS: tuple[Field, ...] = (
         env=Env(STATE_ENV, note="systemd's StateDirectory=", separator=":"),
         help="Where GC roots of built outputs live. Default: $STATE_DIRECTORY (systemd), else a per-user directory.",
     ),
-    # The module passes the timeouts free-form: the front end refuses a bad one at start.
     Field(
         key="list_timeout",
         flag="--list-timeout",
@@ -202,6 +205,7 @@ FIELDS: tuple[Field, ...] = (
         kind=LIST_SECONDS,
         metavar="SECONDS",
         default=10.0,
+        nix="nullOr (numbers.between 0.1 3600)",
         help="Give up listing the dataset root after this long (dead mount). Default: 10.",
     ),
     Field(
@@ -210,6 +214,7 @@ FIELDS: tuple[Field, ...] = (
         spec="build_timeout_s",
         kind=BUILD_SECONDS,
         metavar="SECONDS",
+        nix="nullOr (numbers.between 1 2592000)",
         help="Abandon a build running longer than this (transient).",
     ),
     Field(
@@ -219,6 +224,7 @@ FIELDS: tuple[Field, ...] = (
         kind=SMOKE_SECONDS,
         metavar="SECONDS",
         default=60.0,
+        nix="nullOr (numbers.between 1 86400)",
         help="Stop the smoke run of the built binary after this long (transient). Default: 60.",
     ),
     Field(
@@ -238,6 +244,7 @@ FIELDS: tuple[Field, ...] = (
         spec="refresh",
         kind=BOOLEAN,
         default=False,
+        nix="nullOr bool",
         help="Evaluate and build as if nothing were known from earlier attempts (the warm-path record is ignored).",
     ),
     Field(
@@ -302,7 +309,7 @@ FIELDS: tuple[Field, ...] = (
         spec="ssh.port",
         kind=PORT,
         metavar="PORT",
-        nix="nullOr port",
+        nix="nullOr (ints.between 1 65535)",
         help="ssh port on --ssh-target; the port of a data_source on that host that names none.",
     ),
     Field(
