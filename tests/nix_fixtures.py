@@ -437,6 +437,18 @@ def valid_path(path: str) -> bool:
     return done.returncode == 0
 
 
+def procs_left(text: str, within_s: float = 5.0) -> list[tuple[int, str]]:
+    """The processes whose command line holds `text` once `within_s` has
+    passed for them to go. A process group killed with SIGKILL is gone only
+    when the kernel has scheduled each of its members to exit: on a loaded
+    machine that can take a moment after the leader was reaped, and a
+    process still there after seconds is one that outlived its kill."""
+    deadline = time.monotonic() + within_s
+    while (found := procs_with(text)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def procs_with(text: str) -> list[tuple[int, str]]:
     found = []
     me = os.getpid()

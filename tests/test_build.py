@@ -13,7 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import BUILD, NIX_CONFIG, build, manifest_text, procs_with, require_nix, trainer, valid_path
+from nix_fixtures import (
+    BUILD,
+    NIX_CONFIG,
+    build,
+    manifest_text,
+    procs_left,
+    procs_with,
+    require_nix,
+    trainer,
+    valid_path,
+)
 
 from prepare.build import workspace
 from prepare.fail import Fail
@@ -350,7 +360,7 @@ def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, g
     assert time.monotonic() - start < 25
     assert not fail.permanent
     assert "timed out" in fail.message and "--build-timeout" in fail.message
-    assert not procs_with("sleep 30")
+    assert not procs_left("sleep 30")
 
 
 def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_dir):

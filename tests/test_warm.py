@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, build, manifest_text, procs_with, trainer
+from nix_fixtures import NIX_CONFIG, build, manifest_text, procs_left, trainer
 
 from prepare.build import record
 from prepare.build.choose import CONTRACT
@@ -299,7 +299,7 @@ def test_a_refused_re_dial_leaves_no_fetch_running(nix, test_flake, state_dir, g
         attempt(nix, replace(spec, cpu_only=False, libtorch="no-such-variant"))
     assert refused.value.reason == "libtorch.unknown-variant"
     assert time.monotonic() - started < 20
-    assert not procs_with("sleep 30"), "the fetch started beside the resolution outlived the refusal"
+    assert not procs_left("sleep 30"), "the fetch started beside the resolution outlived the refusal"
 
 
 def test_refresh_evaluates_anyway_and_records_afresh(nix, test_flake, state_dir, git_source):
