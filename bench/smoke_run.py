@@ -7,7 +7,7 @@ against `proc.run` of the same binary as the caller, unconfined.
 
 The two take turns N times in this one process, so a noisy machine slows
 them alike; the medians and their ratio are printed. What the difference
-buys is in prepare/confine.py; what it costs is one interpreter started
+buys is in prepare/host/confine.py; what it costs is one interpreter started
 with -I -S (the helper that drops the privileges and waits as the
 namespace's parent), on a smoke run that itself loads libtorch and wakes a
 GPU (seconds).
@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from prepare import proc, smoke  # noqa: E402
+from prepare import smoke  # noqa: E402
+from prepare.host import proc
 from prepare.spec import Binary  # noqa: E402
 
 

@@ -112,7 +112,7 @@ def evaluations(log: Path) -> int:
 
 
 def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], n: int) -> dict[str, float] | None:
-    from prepare import nix as nix_mod
+    from prepare.nix import runner as nix_mod
 
     state = tmp / f"state-{name}"
     cli = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", flake, "--source", source]
@@ -143,7 +143,7 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
     # interpreter starting, and the training source's re-resolution (a
     # moving ref must be resolved on every attempt; the flake's runs beside
     # it).
-    modules = "prepare.cli, prepare.pipeline, prepare.config, prepare.gate, prepare.data, prepare.dirs, prepare.build"
+    modules = "prepare.cli, prepare.pipeline, prepare.config, prepare.gpu.gate, prepare.data, prepare.host.dirs, prepare.build"
     floor = {
         "python": [sys.executable, "-c", "pass"],
         "imports": [sys.executable, "-c", f"import {modules}"],

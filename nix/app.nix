@@ -36,9 +36,9 @@ python3Packages.buildPythonApplication {
   src = appSrc;
 
   build-system = [ python3Packages.setuptools ];
+  # rich: the live progress display on a terminal (the `live` extra).
   dependencies = with python3Packages; [
     nvidia-ml-py
-    typer
     rich
   ];
 
@@ -69,7 +69,18 @@ python3Packages.buildPythonApplication {
     flakeRef
   ];
 
-  pythonImportsCheck = [ "prepare" ];
+  # Every subpackage: one that setuptools left out of the wheel fails here.
+  pythonImportsCheck = [
+    "prepare"
+    "prepare.build"
+    "prepare.cli"
+    "prepare.config"
+    "prepare.data"
+    "prepare.gpu"
+    "prepare.host"
+    "prepare.nix"
+    "prepare.publish"
+  ];
 
   meta = {
     description = pyproject.project.description;

@@ -17,7 +17,6 @@ let
       mypy
       nvidia-ml-py
       sh
-      typer
       rich
       pytest
     ]

@@ -167,7 +167,7 @@ let
   # would build what the publish had just pushed. Only the root's manifest
   # goes: a file of that name deeper in the tree is the source's own.
   # The name is how the runner tells a failed training build (it names this
-  # copy) from a failed build of the flake's own (prepare/nix_diagnosis.py).
+  # copy) from a failed build of the flake's own (prepare/nix/diagnosis.py).
   manifest = "${toString source}/.fdl-run.toml";
   trainingSource = builtins.path {
     path = source;

@@ -1,6 +1,6 @@
 # The `settings.join` options of nix/module.nix, built from nix/fields.json:
-# the field table of prepare/fields.py, exported by
-# `python -m prepare.fields_json > nix/fields.json` (tests/test_module.py
+# the field table of prepare/config/fields.py, exported by
+# `python -m prepare.config.fields_json > nix/fields.json` (tests/test_module.py
 # fails when the committed file is stale). Every type here is the table's, so
 # the module cannot accept a key or a value type fdl-prepare does not take,
 # nor refuse one it does: no option type is written twice.
@@ -25,7 +25,7 @@ let
 
   exported = builtins.fromJSON (builtins.readFile file);
 
-  # A type tree (prepare/fields_json.py): a name is a path into lib.types,
+  # A type tree (prepare/config/fields_json.py): a name is a path into lib.types,
   # a list applies its first element to the rest, numbers as they are.
   typeOf =
     tree:
@@ -80,7 +80,7 @@ let
   problems =
     map (
       k:
-      "the field table leaves join.${k} untyped, and nix/module.nix neither declares it nor says why not: give the Field a `nix` type in prepare/fields.py and regenerate nix/fields.json"
+      "the field table leaves join.${k} untyped, and nix/module.nix neither declares it nor says why not: give the Field a `nix` type in prepare/config/fields.py and regenerate nix/fields.json"
     ) (lib.subtractLists own untyped)
     ++ map (
       k: "nix/module.nix declares join.${k} itself, but the field table types it: drop the module's own option"

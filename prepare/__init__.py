@@ -1,6 +1,6 @@
 """fdl-prepare: get a GPU worker box ready before it dials a training controller.
 
-    from prepare import prepare, print_notes, PrepareSpec, DataSpec, SourceSpec, Prepared, Fail
+    from prepare import prepare, print_notes, PrepareSpec, DataSpec, SourceSpec, SshSpec, NixSpec, Prepared, Fail
 
 The library never prints and never exits: `prepare` returns a `Prepared` or
 raises a `Fail` (`.permanent`, `.reason`, `.message`) and appends advisory lines to the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from prepare.fail import Fail
 from prepare.notes import print_notes
 from prepare.pipeline import prepare
-from prepare.spec import Binary, DataSpec, Libtorch, Prepared, PrepareSpec, SourceSpec, SshSpec
+from prepare.spec import Binary, DataSpec, Libtorch, NixSpec, Prepared, PrepareSpec, SourceSpec, SshSpec
 
 __version__ = "0.1.0"
 
@@ -21,6 +21,7 @@ __all__ = [
     "DataSpec",
     "Fail",
     "Libtorch",
+    "NixSpec",
     "PrepareSpec",
     "Prepared",
     "SourceSpec",

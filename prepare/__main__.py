@@ -1,3 +1,3 @@
-from prepare.cli import main
+from prepare.cli.app import main
 
 main()

@@ -11,7 +11,7 @@ smoke`, outranked by the run manifest's, since the publisher knows what its
 binary takes); an empty list, or none, runs nothing. The binary starts in
 its run's cwd (a read-only store path), as the training would: never as
 root, with no capabilities, a clean environment and everything it starts
-stopped when it ends (prepare.confine, `smoke_user`), and is killed at
+stopped when it ends (prepare.host.confine, `smoke_user`), and is killed at
 `smoke_timeout` (`--smoke-timeout`). What it prints is kept to its last
 OUTPUT_BYTES, whatever it prints, and a message quotes its last lines.
 
@@ -29,12 +29,23 @@ import re
 import shlex
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from prepare import confine, human, proc
-from prepare.fail import Fail, permanent, transient
+from prepare.fail import Fail
+from prepare.host import confine, human, proc
 from prepare.spec import Binary
 
-DEFAULT_TIMEOUT_S = 60.0
+
+@dataclass(frozen=True)
+class SmokePlan:
+    """The smoke run's part of the plan (prepare.plan): how long the binary
+    may run, and whom it runs as when fdl-prepare is root. What it runs
+    with is the recipe's (`smoke`), known only once the source is fetched."""
+
+    timeout_s: float = 60.0
+    user: str = confine.DEFAULT_USER
+
+
 # Enough of the end of the output to show why; the start is usually banners.
 LAST_LINES = 20
 # Of each line quoted, and of all the output kept: a binary that prints a
@@ -68,41 +79,41 @@ def run(
     try:
         done = proc.run(argv, timeout=timeout_s, cwd=binary.cwd, max_stdout=OUTPUT_BYTES, confine=confinement)
     except proc.Missing:
-        raise permanent(
+        raise Fail(
+            "smoke.loader",
             f"smoke run: the built binary {binary.path} cannot be run (missing, or not executable by "
             f"{confinement.user}): the flake built a training output without its binary; fix the flake "
             "(nix/CONTRACT.md: bin/ holds the recipe's bin, executable)",
-            reason="smoke.loader",
         ) from None
     except proc.TooLong:
         size = sum(len(a.encode()) + 1 for a in argv)
-        raise transient(
+        raise Fail(
+            "smoke.failed",
             f"smoke run {shown}: the kernel refused its command line ({human.size(size)}, E2BIG): the smoke "
             "arguments are longer than a program can be given. Shorten the run manifest's smoke list and publish "
             "again (or [join.source] smoke, --smoke, on the box)",
-            reason="smoke.failed",
         ) from None
     except proc.ConfinementFailed as failed:
-        raise permanent(
+        raise Fail(
+            "smoke.confinement",
             f"smoke run {shown}: could not drop to {confinement.user} ({failed.step.replace('_', ' ')} failed: "
             f"{failed}); the training source's code is never run with root's. fdl-prepare needs CAP_SETUID, "
             "CAP_SETGID and CAP_SETPCAP for it (the units keep them): give them back to the unit or container, "
             "or run fdl-prepare as an unprivileged user",
-            reason="smoke.confinement",
         ) from None
     except proc.ExecFailed as failed:
-        raise transient(
+        raise Fail(
+            "smoke.failed",
             f"smoke run {shown} could not be started ({failed}): the box is short of processes or memory; the "
             "next attempt retries",
-            reason="smoke.failed",
         ) from None
     except proc.TimedOut as late:
-        raise transient(
+        raise Fail(
+            "smoke.timeout",
             f"smoke run {shown} did not finish within {timeout_s:g}s and was stopped, with everything it started"
             + _tail("its last lines on stderr", late.stderr)
             + ". The next attempt retries; raise smoke_timeout (--smoke-timeout) if its start is legitimately "
             "slow, or make the smoke arguments do less",
-            reason="smoke.timeout",
         ) from None
     finally:
         confine.leave(confinement)
@@ -138,14 +149,14 @@ def _failed(shown: str, done: proc.Completed, binary: Binary) -> Fail:
                 "the binary's closure lacks a library it links, or was built for another machine: fix the flake "
                 f"that builds it (`ldd {binary.path}` shows what is not found)"
             )
-        return permanent(
+        return Fail(
+            "smoke.loader",
             f"smoke run {shown}: the loader could not start it (exit {done.returncode}){said}. Fix: {fix}",
-            reason="smoke.loader",
         )
-    return transient(
+    return Fail(
+        "smoke.failed",
         f"smoke run {shown} exited {done.returncode}{said}. The binary starts but fails its smoke run: fix the "
         "training source (or the manifest's smoke arguments) and publish again; the next attempt retries",
-        reason="smoke.failed",
     )
 
 

@@ -6,9 +6,23 @@ on every attempt, so nothing here may carry state between attempts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+
+# Defaults a step acts on, written here once: the field table gives them
+# as its defaults and its help, the plan applies them.
+# Where nixpkgs' addDriverRunpath bakes the host's driver libraries into a
+# Nix-built program (prepare.gpu.driver_dir).
+DRIVER_DIR = "/run/opengl-driver/lib"
+# Where a data_source is mounted when data_path does not say.
+DATA_MOUNTPOINT = "/flodl/data"
+
+# What the long steps (downloads, builds) say while they run, as plain
+# dicts (prepare.cli.progress lists the types), and what receives them: the
+# library never prints, a CLI or a join loop decides how to show them.
+Event = dict[str, Any]
+Progress = Callable[[Event], None]
 
 
 @dataclass(frozen=True)
@@ -16,7 +30,7 @@ class DataSpec:
     """The dataset source root. Nothing set: ship nothing, check nothing.
     `data_path` alone: a root provisioning already placed. `data_source`:
     an `sshfs://[user@]host[:port]/abs/path` mounted read-only at `data_path`
-    (default `/flodl/data`)."""
+    (default DATA_MOUNTPOINT, `/flodl/data`)."""
 
     data_path: str | None = None
     data_source: str | None = None
@@ -100,9 +114,9 @@ class PrepareSpec:
     expect_gpus: int | None = None
     cpu_only: bool = False
     # Where the host's NVIDIA libraries are linked for Nix-built programs on
-    # a box that is not NixOS (prepare.driver_dir): the path nixpkgs'
+    # a box that is not NixOS (prepare.gpu.driver_dir): the path nixpkgs'
     # addDriverRunpath bakes into them.
-    driver_dir: str = "/run/opengl-driver/lib"
+    driver_dir: str = DRIVER_DIR
     flake: str | None = None
     # Where GC roots for built outputs live; None picks a per-user default.
     state_dir: str | None = None
@@ -113,7 +127,7 @@ class PrepareSpec:
     build_timeout_s: float | None = None
     # The smoke run is stopped after this many seconds (transient).
     smoke_timeout_s: float = 60.0
-    # Who the smoke run runs as when fdl-prepare is root (prepare.confine):
+    # Who the smoke run runs as when fdl-prepare is root (prepare.host.confine):
     # never root, the training source's code is not the operator's.
     smoke_user: str = "nobody"
     # Ignore what earlier attempts settled (<state>/warm.json): evaluate the

@@ -1,7 +1,7 @@
 """Fake AMD boxes, put where the product reads a real one: the KFD topology
 and DRM class the amdgpu driver publishes, bind-mounted over /sys/class/kfd
 and /sys/class/drm, and /dev/kfd and /dev/dri/renderD* as real device nodes,
-in a private mount namespace of a child process. prepare/amd.py has no
+in a private mount namespace of a child process. prepare/gpu/amd.py has no
 test-only switch: the child imports the package and reads the same paths it
 reads on a real box.
 
@@ -55,7 +55,7 @@ links, as a display-only GPU has).
     .run(code, env=None, uid=None) -> CompletedProcess: `python -c code`
         in a private mount namespace holding this box, as root or as `uid`
         (no groups, the readable package copy of tests/other_user.py).
-    .gate(env=None, uid=None, **spec) -> dict: gate.check(PrepareSpec(**spec))
+    .gate(env=None, uid=None, **spec) -> dict: gate.check(gate.GatePlan(**spec))
         there: {"gpus": Gpus.to_json(), "notes": [...]} or
         {"kind": ..., "message": ..., "notes": [...]}.
 """
@@ -261,12 +261,12 @@ class AmdBox:
     def gate(self, env: Mapping[str, str] | None = None, uid: int | None = None, **spec: object) -> dict:
         code = (
             "import json\n"
-            "from prepare import gate\n"
+            "from prepare.gpu import gate\n"
             "from prepare.fail import Fail\n"
             "from prepare.spec import PrepareSpec\n"
             "notes = []\n"
             "try:\n"
-            f"    gpus = gate.check(PrepareSpec(**{spec!r}), notes)\n"
+            f"    gpus = gate.check(gate.GatePlan(**{spec!r}), notes)\n"
             "    print(json.dumps({'gpus': gpus.to_json(), 'notes': notes}))\n"
             "except Fail as f:\n"
             "    print(json.dumps({'kind': f.kind, 'message': f.message, 'notes': notes}))\n"

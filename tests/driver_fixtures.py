@@ -1,8 +1,8 @@
 """A host NVIDIA driver as the driver directory step meets one: its libraries
 in a library directory registered with the host's real `ldconfig`, a loaded
 kernel module's /proc/driver/nvidia/version, and the box's os-release, put
-where prepare/driver_dir.py reads them, in a private mount namespace of a
-child process. prepare/driver_dir.py has no test-only switch: the child
+where prepare/gpu/driver_dir.py reads them, in a private mount namespace of a
+child process. prepare/gpu/driver_dir.py has no test-only switch: the child
 imports the package and runs the host's own `ldconfig -p`.
 
 The library directory is registered honestly, without touching the
@@ -123,7 +123,7 @@ def driver_libraries() -> Iterator[Compiled]:
     if platform.machine() not in _EXIT:
         pytest.skip(f"the libc-free smoke binary knows x86_64 and aarch64, not {platform.machine()}")
     build = Path(tempfile.mkdtemp(prefix="fake-driver-"))
-    # The smoke run loads them as an unprivileged user (prepare/confine.py).
+    # The smoke run loads them as an unprivileged user (prepare/host/confine.py).
     build.chmod(0o755)
     try:
         (build / "cuda.c").write_text(CUDA_C)
@@ -264,7 +264,7 @@ class DriverHost:
     def ensure(self, driver_dir: Path | str, **run_kw: object) -> dict:
         code = (
             "import json, os\n"
-            "from prepare import driver_dir\n"
+            "from prepare.gpu import driver_dir\n"
             "from prepare.fail import Fail\n"
             "notes = []\n"
             f"d = {str(driver_dir)!r}\n"

@@ -127,7 +127,7 @@ def full_tmpfs(tmpfs: Callable[..., Path]) -> Path:
 
 
 def _on_disk(path: Path) -> bool:
-    from prepare import dirs, mounts
+    from prepare.host import dirs, mounts
 
     mount = mounts.containing(str(path))
     return mount is not None and mount.fstype not in dirs.RAM_FILESYSTEMS

@@ -49,6 +49,11 @@ process (a python child) that takes flock(LOCK_EX) on `path`, as another
 fdl-prepare would on <state>/lock, and holds it for `seconds`; returns once
 it holds the lock. Killed at teardown.
 
+`build(spec, notes=None, *, progress=None, nix_program="nix", steps=BUILD)` -> Prepared:
+the pipeline's build steps (4 to 7: state, variant, source, build) run by
+its executor on `spec`'s plan, without the cheap steps or the smoke run;
+`steps` names others (`("gate", *BUILD)` puts the GPU gate first).
+
 `valid_path(path)` -> bool: whether the store knows `path` as complete.
 `procs_with(text)` -> list of (pid, cmdline) of live processes whose command
 line contains `text`.
@@ -66,8 +71,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from prepare.spec import Prepared, PrepareSpec
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -428,6 +437,18 @@ def valid_path(path: str) -> bool:
     return done.returncode == 0
 
 
+def procs_left(text: str, within_s: float = 5.0) -> list[tuple[int, str]]:
+    """The processes whose command line holds `text` once `within_s` has
+    passed for them to go. A process group killed with SIGKILL is gone only
+    when the kernel has scheduled each of its members to exit: on a loaded
+    machine that can take a moment after the leader was reaped, and a
+    process still there after seconds is one that outlived its kill."""
+    deadline = time.monotonic() + within_s
+    while (found := procs_with(text)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
 def procs_with(text: str) -> list[tuple[int, str]]:
     found = []
     me = os.getpid()
@@ -545,7 +566,7 @@ def nix_daemon_client(
     `private_socket` puts the socket in a directory only root may enter, so
     the kernel refuses that user's connect. Yields (runner, flake directory);
     skips without root, nix-daemon or setpriv."""
-    from prepare.nix import Nix
+    from prepare.nix.runner import Nix
 
     if os.geteuid() != 0:
         pytest.skip("needs root (a daemon, and a client as another user)")
@@ -583,3 +604,25 @@ def nix_daemon_client(
             proc.terminate()
             proc.wait(timeout=10)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+# The build steps of the pipeline (prepare.pipeline.STEPS), by name.
+BUILD = ("state", "variant", "source", "build")
+
+
+def build(
+    spec: PrepareSpec,
+    notes: list[str] | None = None,
+    *,
+    progress: Callable[[dict], None] | None = None,
+    nix_program: str = "nix",
+    steps: Sequence[str] = BUILD,
+) -> Prepared:
+    """The pipeline's `steps` on `spec`'s plan, through its one executor."""
+    from prepare import pipeline
+    from prepare.plan import plan
+
+    chosen = [step for step in pipeline.STEPS if step.name in steps]
+    return pipeline.run(
+        plan(spec), [] if notes is None else notes, progress=progress, steps=chosen, nix_program=nix_program
+    )

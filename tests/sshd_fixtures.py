@@ -320,7 +320,7 @@ def make_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshdFactory]
 
 
 def _mounted_points() -> list[str]:
-    from prepare import mounts
+    from prepare.host import mounts
 
     return [m.mount_point for m in mounts.read()]
 
@@ -408,7 +408,7 @@ def forget_mount_locks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     process may be about to take breaks the exclusion, and /run/lock is
     emptied at boot anyway), but a test suite makes a fresh mountpoint per
     test and would otherwise leave one file per test behind."""
-    from prepare import data
+    from prepare.data import root as data
 
     made: list[str] = []
     real = data.lock_path
@@ -430,7 +430,7 @@ def forget_mount_locks(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 def forget_mount_lock_of() -> Iterator[Callable[[Path], None]]:
     """The same clean-up for runs in a child process, where the lock path
     cannot be recorded: the test names the mountpoint it handed over."""
-    from prepare import data
+    from prepare.data import root as data
 
     mountpoints: list[Path] = []
     try:

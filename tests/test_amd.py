@@ -1,4 +1,4 @@
-"""AMD GPUs: the survey (prepare/amd.py), the gate over both vendors, and
+"""AMD GPUs: the survey (prepare/gpu/amd.py), the gate over both vendors, and
 `fdl-prepare gpus`, against fake boxes put where a real box has them: the
 KFD topology and DRM class bind-mounted over /sys/class/kfd and
 /sys/class/drm, /dev/kfd and the render nodes as device nodes, in a private
@@ -13,13 +13,13 @@ import pytest
 from amd_fixtures import apu, clean_env, mi300x, mi300x_uuid, rx7900xtx, rx7900xtx_gpu
 from nvml_fixtures import ampere_pair, host_has_nvml
 
-from prepare import amd
-from prepare.amd import AmdDevice, gfx_name, parse_hip_visible_devices, parse_override, parse_rocr_visible_devices
+from prepare.gpu import amd
+from prepare.gpu.amd import AmdDevice, gfx_name, parse_hip_visible_devices, parse_override, parse_rocr_visible_devices
 
 OTHER_UID = 54321
 
-SURVEY = "import json\nfrom prepare import amd\nprint(json.dumps(amd.survey().to_json()))\n"
-SURVEY_NOTES = "import json\nfrom prepare import amd\ns = amd.survey()\nprint(json.dumps(list(s.notes)))\n"
+SURVEY = "import json\nfrom prepare.gpu import amd\nprint(json.dumps(amd.survey().to_json()))\n"
+SURVEY_NOTES = "import json\nfrom prepare.gpu import amd\ns = amd.survey()\nprint(json.dumps(list(s.notes)))\n"
 
 # The variants `auto` chooses among: the shipped ones and the test flake's
 # ROCm stand-ins, as `nix eval --json` prints them.
@@ -49,12 +49,13 @@ def choose_code(libtorch: str = "auto", variants: dict = VARIANTS) -> str:
     """gate.check then variants.choose, in the box; prints the pick or the Fail."""
     return (
         "import json\n"
-        "from prepare import gate, variants\n"
+        "from prepare.build import variants\n"
+        "from prepare.gpu import gate\n"
         "from prepare.fail import Fail\n"
         "from prepare.spec import PrepareSpec\n"
         "notes = []\n"
         "try:\n"
-        "    gpus = gate.check(PrepareSpec(), notes)\n"
+        "    gpus = gate.check(gate.GatePlan(), notes)\n"
         f"    v = variants.choose({libtorch!r}, variants.parse_variants({variants!r}, 'path:/f'), gpus, False, 'path:/f', notes)\n"
         "    print(json.dumps({'label': v.label, 'notes': notes}))\n"
         "except Fail as f:\n"

@@ -1,4 +1,4 @@
-"""Steps 4 and 5 against real Nix: the nixpkgs-free test flake, training
+"""Steps 4 to 7 against real Nix: the nixpkgs-free test flake, training
 sources in temp git repositories, every fault triggered for real."""
 
 from __future__ import annotations
@@ -13,11 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, require_nix, trainer, valid_path
+from nix_fixtures import (
+    BUILD,
+    NIX_CONFIG,
+    build,
+    manifest_text,
+    procs_left,
+    procs_with,
+    require_nix,
+    trainer,
+    valid_path,
+)
 
-from prepare import build as build_mod
-from prepare import nix_urls
+from prepare.build import workspace
 from prepare.fail import Fail
+from prepare.nix import urls
+from prepare.plan import default_state_dir
 from prepare.spec import PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
@@ -44,9 +55,10 @@ def spec(
     )
 
 
-def run(s: PrepareSpec, gpus=None, events: list | None = None):
+def run(s: PrepareSpec, events: list | None = None, *, gate: bool = False):
     notes: list[str] = []
-    got = build_mod.build(s, gpus, notes, progress=(events.append if events is not None else None))
+    steps = ("gate", *BUILD) if gate else BUILD
+    got = build(s, notes, progress=(events.append if events is not None else None), steps=steps)
     return got, notes
 
 
@@ -58,9 +70,9 @@ def built_names(events: list[dict]) -> list[str]:
     return [e["name"] for e in events if e["type"] == "build-start"]
 
 
-def expect_fail(s: PrepareSpec, gpus=None, events: list | None = None) -> Fail:
+def expect_fail(s: PrepareSpec, events: list | None = None) -> Fail:
     with pytest.raises(Fail) as caught:
-        run(s, gpus, events)
+        run(s, events)
     return caught.value
 
 
@@ -133,9 +145,10 @@ def test_cpu_only_refuses_a_cuda_variant_before_anything_is_fetched(nix_env, tes
     src = git_source(trainer())
     events: list[dict] = []
     fail = expect_fail(spec(test_flake, state_dir, src.url, libtorch="cu128", cpu_only=True), events=events)
-    assert fail.permanent
-    assert "--cpu-only" in fail.message and "--libtorch" in fail.message
-    assert not any(e["type"] in ("download-start", "build-start") for e in events)
+    # Refused by the plan, before step 4: no event at all, no state directory.
+    assert fail.reason == "config.invalid"
+    assert "cpu_only (from PrepareSpec.cpu_only)" in fail.message and '"cu128"' in fail.message
+    assert events == [] and os.listdir(state_dir) == []
 
 
 def test_a_variant_not_covering_the_fake_nvml_card_fails_before_any_fetch(
@@ -166,13 +179,9 @@ def test_a_variant_not_covering_the_fake_nvml_card_fails_before_any_fetch(
 def test_auto_picks_cu128_for_an_ampere_box_and_cpu_for_cpu_only(nix_env, test_flake, state_dir, nvml_box):
     from nvml_fixtures import ampere_pair
 
-    from prepare import gate
-
     nvml_box(ampere_pair())
     s = spec(test_flake, state_dir, libtorch="auto", cpu_only=False)
-    notes: list[str] = []
-    gpus = gate.check(s, notes)
-    got, notes = run(s, gpus)
+    got, notes = run(s, gate=True)
     assert got.libtorch.variant == "cu128"
     assert os.path.isfile(os.path.join(got.libtorch.path, "lib", "libtorch.so"))
     assert any("picked cu128" in n for n in notes)
@@ -351,7 +360,7 @@ def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, g
     assert time.monotonic() - start < 25
     assert not fail.permanent
     assert "timed out" in fail.message and "--build-timeout" in fail.message
-    assert not procs_with("sleep 30")
+    assert not procs_left("sleep 30")
 
 
 def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_dir):
@@ -615,7 +624,7 @@ def test_check_flake_url_takes_the_flakes_the_runner_is_given():
         "git+file:///srv/fdl?ref=main&dir=tests/flake",
         "/srv/fdl-prepare",
     ):
-        assert nix_urls.check_flake_url(f"  {url} ") == url
+        assert urls.check_flake_url(f"  {url} ") == url
 
 
 # -- the state directory: where it came from ---------------------------------------------
@@ -698,13 +707,22 @@ def test_an_unwritable_state_dir_given_by_flag_is_named_as_the_flag(test_flake, 
 
 
 def test_the_default_state_dir_reads_state_directory_as_the_config_does():
-    assert build_mod.default_state_dir({"STATE_DIRECTORY": "/var/lib/a:/var/lib/b"}, uid=1000) == "/var/lib/a"
-    # An empty first entry is no StateDirectory= at all (config.env_value):
-    # not "", which abspath would turn into the working directory.
-    got = build_mod.default_state_dir({"STATE_DIRECTORY": ":/var/lib/b", "XDG_STATE_HOME": "/x"}, uid=1000)
-    assert got == "/x/fdl-prepare"
-    assert build_mod.default_state_dir({"HOME": "/home/u"}, uid=1000) == "/home/u/.local/state/fdl-prepare"
-    assert build_mod.default_state_dir({}, uid=0) == "/var/lib/fdl-prepare"
+    unit = {"STATE_DIRECTORY": "/var/lib/a:/var/lib/b"}
+    assert default_state_dir(unit, uid=1000) == ("/var/lib/a", "$STATE_DIRECTORY, systemd's StateDirectory=")
+    # An empty first entry is no StateDirectory= at all (Env.read): not "",
+    # which abspath would turn into the working directory.
+    got = default_state_dir({"STATE_DIRECTORY": ":/var/lib/b", "XDG_STATE_HOME": "/x"}, uid=1000)
+    assert got == ("/x/fdl-prepare", "$XDG_STATE_HOME")
+    assert default_state_dir({"HOME": "/home/u"}, uid=1000)[0] == "/home/u/.local/state/fdl-prepare"
+    assert default_state_dir({}, uid=0) == ("/var/lib/fdl-prepare", "the default for root")
+
+
+def test_a_relative_state_directory_from_systemd_is_refused_naming_the_variable():
+    with pytest.raises(Fail) as caught:
+        default_state_dir({"STATE_DIRECTORY": "var/lib/fdl"}, uid=0)
+    assert caught.value.reason == "config.invalid"
+    assert "$STATE_DIRECTORY, systemd's StateDirectory= (state_dir)" in caught.value.message
+    assert "is a relative path" in caught.value.message
 
 
 # -- two prepares, one state directory ----------------------------------------------------
@@ -755,7 +773,7 @@ def test_a_free_state_lock_is_taken_without_a_word(nix_env, test_flake, state_di
 def test_a_state_lock_held_past_the_bound_is_transient_and_names_the_lock_file(
     nix_env, test_flake, state_dir, lock_holder, monkeypatch
 ):
-    monkeypatch.setattr(build_mod, "LOCK_WAIT_S", 1.0)
+    monkeypatch.setattr(workspace, "LOCK_WAIT_S", 1.0)
     lock = os.path.join(state_dir, "lock")
     lock_holder(lock, 600)
     start = time.monotonic()
@@ -772,7 +790,7 @@ def test_the_state_lock_wait_is_bounded_by_build_timeout_when_it_is_set(
 ):
     from dataclasses import replace
 
-    monkeypatch.setattr(build_mod, "LOCK_MARGIN_S", 0.5)
+    monkeypatch.setattr(workspace, "LOCK_MARGIN_S", 0.5)
     lock = os.path.join(state_dir, "lock")
     lock_holder(lock, 600)
     start = time.monotonic()
@@ -780,8 +798,8 @@ def test_the_state_lock_wait_is_bounded_by_build_timeout_when_it_is_set(
     assert time.monotonic() - start >= 1.5
     fail = box.get("error")
     assert isinstance(fail, Fail) and not fail.permanent and lock in fail.message
-    assert build_mod.lock_wait_s(None) == build_mod.LOCK_WAIT_S
-    assert build_mod.lock_wait_s(600) == 600 + build_mod.LOCK_MARGIN_S
+    assert workspace.lock_wait_s(None) == workspace.LOCK_WAIT_S
+    assert workspace.lock_wait_s(600) == 600 + workspace.LOCK_MARGIN_S
 
 
 # -- nix build printing JSON of a shape no Nix prints ------------------------------------------
@@ -815,7 +833,7 @@ def test_nix_build_json_of_an_unexpected_shape_is_transient_not_a_traceback(
     )
     shim.chmod(0o755)
     with pytest.raises(Fail) as caught:
-        build_mod.build(spec(test_flake, state_dir), None, [], nix_program=str(shim))
+        build(spec(test_flake, state_dir), [], nix_program=str(shim))
     fail = caught.value
     assert not fail.permanent
     assert "no JSON result of a known shape" in fail.message and "the next attempt retries" in fail.message
@@ -848,14 +866,16 @@ def test_a_manifest_cwd_that_is_a_symlink_out_of_the_tree_stops_the_box(nix_env,
 
 BUILD_LOG_RSS = """
 import json, resource, sys
-from prepare import build as build_mod
+from prepare import pipeline
 from prepare.fail import Fail
+from prepare.plan import plan
 from prepare.spec import PrepareSpec, SourceSpec
 spec = PrepareSpec(source=SourceSpec(from_=sys.argv[1]), libtorch="cpu", cpu_only=True, flake=sys.argv[2],
                    state_dir=sys.argv[3])
+steps = [step for step in pipeline.STEPS if step.name in ("state", "variant", "source", "build")]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
-    build_mod.build(spec, None, [])
+    pipeline.run(plan(spec), [], steps=steps)
     message = ""
 except Fail as fail:
     message = fail.message

@@ -12,9 +12,11 @@ import json
 
 import pytest
 
-from prepare import caches, config
+from prepare import config
 from prepare.fail import Fail
-from prepare.nix_log import Log
+from prepare.nix import caches
+from prepare.nix.log import Log
+from prepare.plan import plan
 from prepare.spec import NixSpec, PrepareSpec
 
 CACHE = "http://127.0.0.1:8080"
@@ -174,7 +176,7 @@ def test_a_secret_key_among_the_trusted_keys_is_refused_without_being_shown(tmp_
 
 def test_a_secret_key_in_a_spec_built_in_code_is_refused_without_being_shown():
     with pytest.raises(Fail) as caught:
-        config.check_spec(PrepareSpec(nix=NixSpec(trusted_public_keys=(SECRET,))))
+        plan(PrepareSpec(nix=NixSpec(trusted_public_keys=(SECRET,))))
     assert "PrepareSpec.nix.trusted_public_keys" in caught.value.message
     assert SECRET.split(":", 1)[1] not in caught.value.message
 

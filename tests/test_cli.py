@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -315,3 +316,82 @@ def test_a_smoke_timeout_below_its_floor_is_permanent_naming_the_range(box: dict
     done = fdl(box, "--cpu-only", "--smoke-timeout", "0.001")
     assert done.returncode == 78, done.stderr
     assert "--smoke-timeout" in done.stderr and "expected 1 to 86400 seconds (a second to a day)" in done.stderr
+
+
+# -- shell completion, made from the parser ------------------------------------------------------
+
+
+def _script(shell: str) -> str:
+    done = fdl(dict(os.environ), "completion", shell)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    return done.stdout
+
+
+def _bash_completes(script: Path, *words: str) -> list[str]:
+    """What bash offers for the last of `words`, through the script's function."""
+    quoted = " ".join(f"'{w}'" for w in words)
+    line = (
+        f"source {script}; COMP_WORDS=({quoted}); COMP_CWORD={len(words) - 1}; _fdl_prepare; "
+        'printf "%s\\n" "${COMPREPLY[@]}"'
+    )
+    done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30, check=True)
+    return [word for word in done.stdout.splitlines() if word]
+
+
+def test_bash_completes_the_options_commands_and_paths_the_parser_has(tmp_path: Path) -> None:
+    script = tmp_path / "fdl-prepare.bash"
+    script.write_text(_script("bash"))
+    assert _bash_completes(script, "fdl-prepare", "--cpu") == ["--cpu-only"]
+    assert _bash_completes(script, "fdl-prepare", "pub") == ["publish"]
+    # A command's own options, and none of the root's after it.
+    assert _bash_completes(script, "fdl-prepare", "publish", "--sig") == ["--signing-key"]
+    assert _bash_completes(script, "fdl-prepare", "gpus", "--cpu") == []
+    assert _bash_completes(script, "fdl-prepare", "completion", "") == ["bash", "zsh", "fish"]
+    # An option that takes a path completes files; one that takes a URL offers nothing.
+    (tmp_path / "prepare.toml").write_text("[join]\n")
+    assert _bash_completes(script, "fdl-prepare", "--config", str(tmp_path / "prep")) == [
+        str(tmp_path / "prepare.toml")
+    ]
+    assert _bash_completes(script, "fdl-prepare", "--flake", "") == []
+
+
+def test_fish_completes_the_options_and_commands_the_parser_has(tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("fish") is None:
+        pytest.skip("fish is not installed (scripts/setup installs it)")
+    script = tmp_path / "fdl-prepare.fish"
+    script.write_text(_script("fish"))
+
+    def completes(line: str) -> list[str]:
+        done = subprocess.run(
+            ["fish", "--no-config", "-c", f"source {script}; complete -C {shlex.quote(line)}"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        return [row.split("\t")[0] for row in done.stdout.splitlines()]
+
+    assert completes("fdl-prepare --cpu") == ["--cpu-only"]
+    assert {"gpus", "publish", "completion"} <= set(completes("fdl-prepare "))
+    assert completes("fdl-prepare publish --sig") == ["--signing-key"]
+
+
+def test_zsh_loads_the_completion_for_both_programs(tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("zsh") is None:
+        pytest.skip("zsh is not installed (scripts/setup installs it)")
+    functions = tmp_path / "functions"
+    functions.mkdir()
+    (functions / "_fdl-prepare").write_text(_script("zsh"))
+    assert subprocess.run(["zsh", "-n", str(functions / "_fdl-prepare")], timeout=30).returncode == 0
+    line = (
+        f"fpath=({functions} $fpath); autoload -Uz compinit; compinit -u -d {tmp_path / 'dump'}; "
+        "print -r -- ${_comps[fdl-prepare]} ${_comps[fdl-prepare-publish]}"
+    )
+    done = subprocess.run(["zsh", "-f", "-c", line], capture_output=True, text=True, timeout=30, check=True)
+    assert done.stdout.split() == ["_fdl-prepare", "_fdl-prepare"]
+
+
+def test_a_completion_for_a_shell_it_does_not_know_is_a_usage_error() -> None:
+    done = fdl(dict(os.environ), "completion", "tcsh")
+    assert done.returncode == 2 and "completion" in done.stderr and done.stdout == ""

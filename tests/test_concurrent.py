@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from prepare import data, dirs, mounts, prepare
+from prepare import prepare
+from prepare.data import root
 from prepare.fail import Fail
+from prepare.host import dirs, mounts
 
 pytestmark = [pytest.mark.sshfs, pytest.mark.usefixtures("forget_mount_locks")]
 
@@ -45,7 +47,7 @@ def test_four_concurrent_cli_runs_make_one_mount_all_succeed_and_leave_no_probe_
     sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path
 ) -> None:
     point = sshfs_mounts.point("data")
-    data.lock_path(str(point))  # recorded, so the lock file is removed afterwards
+    root.lock_path(str(point))  # recorded, so the lock file is removed afterwards
     home = tmp_path / "home"
     stage = tmp_path / "stage"
     home.mkdir()

@@ -12,7 +12,9 @@ import other_user
 import pytest
 
 from prepare import config
+from prepare.config.fields import TABLE
 from prepare.fail import Fail
+from prepare.plan import plan
 from prepare.spec import DataSpec, PrepareSpec, SourceSpec, SshSpec
 
 FULL = """\
@@ -91,8 +93,9 @@ def load_fail(path: Path) -> Fail:
 
 
 def resolve_fail(file: dict, flags: dict, env: dict | None = None) -> Fail:
+    """What resolving then planning says, as the CLI does both."""
     with pytest.raises(Fail) as caught:
-        config.resolve(file, flags, env or {})
+        plan(config.resolve(file, flags, env or {}), env or {})
     return caught.value
 
 
@@ -417,7 +420,7 @@ def test_a_wrong_type_is_permanent_and_names_the_key_the_value_and_the_expected_
 
 def test_every_key_of_the_schema_has_a_wrong_type_case():
     covered = {f"{t}.{k}" for t, k, _, _ in WRONG_TYPES}
-    schema = {f"join.{k}" for k in config.FLAG_NAMES}
+    schema = {f"join.{f.key}" for f in TABLE.fields}
     assert schema <= covered, schema - covered
 
 
@@ -688,25 +691,25 @@ def test_a_value_replaced_after_resolving_no_longer_claims_its_origin():
     assert replace(spec, state_dir="/elsewhere").origin("state_dir") is None
 
 
-# -- rules across fields: one function for the config and for a spec built in code ------------
+# -- rules across fields: checked once, by the plan, for the config and a spec built in code -------
 
 
-def test_check_spec_refuses_cpu_only_with_a_cuda_libtorch_naming_the_spec_fields():
+def test_the_plan_refuses_cpu_only_with_a_cuda_libtorch_naming_the_spec_fields():
     with pytest.raises(Fail) as caught:
-        config.check_spec(PrepareSpec(cpu_only=True, libtorch="cu128"))
+        plan(PrepareSpec(cpu_only=True, libtorch="cu128"))
     assert caught.value.permanent
     assert "cpu_only (from PrepareSpec.cpu_only)" in caught.value.message
     assert 'libtorch is "cu128" (from PrepareSpec.libtorch)' in caught.value.message
 
 
-def test_check_spec_on_a_resolved_spec_names_where_its_values_came_from():
+def test_the_plan_of_a_resolved_spec_names_where_its_values_came_from():
     from dataclasses import replace
 
     # A join loop may resolve a config and then change it: the rule still
     # holds, and names the flag for what came from one and the field for the rest.
     spec = replace(config.resolve({}, {"cpu_only": True}, {}), libtorch="cu126")
     with pytest.raises(Fail) as caught:
-        config.check_spec(spec)
+        plan(spec)
     assert "cpu_only (from --cpu-only)" in caught.value.message
     assert "(from PrepareSpec.libtorch)" in caught.value.message
 
@@ -727,20 +730,41 @@ def test_urls_from_the_environment_lose_surrounding_spaces():
     assert config.resolve({}, {}, {"FDL_PREPARE_FLAKE": " path:/nix/app "}).flake == "path:/nix/app"
 
 
-def test_check_spec_returns_the_spec_with_urls_stripped_and_leaves_a_normal_one_alone():
+def test_a_spec_from_code_is_planned_with_its_urls_stripped_and_a_normal_one_left_alone():
     spec = PrepareSpec(source=SourceSpec(from_=" path:/srv/x ", bin="train"), flake="path:/srv/fdl ")
-    checked = config.check_spec(spec)
+    checked = config.checked(spec)
     assert checked.source == SourceSpec(from_="path:/srv/x", bin="train")
     assert checked.flake == "path:/srv/fdl"
-    assert config.check_spec(checked) is checked
+    assert config.checked(checked) is checked
     resolved = config.resolve(FULL_TABLE, {}, {})
-    assert config.check_spec(resolved) is resolved
+    assert config.checked(resolved) is resolved
+    built = plan(spec).build
+    assert built is not None and built.flake == "path:/srv/fdl" and built.source == checked.source
 
 
-def test_check_spec_leaves_other_strings_as_given():
-    spec = PrepareSpec(data=DataSpec(data_path=" /odd "), source=SourceSpec(from_="path:/x", build=" make "))
-    checked = config.check_spec(spec)
-    assert checked.data.data_path == " /odd " and checked.source is not None and checked.source.build == " make "
+def test_a_spec_from_code_keeps_its_other_strings_as_given():
+    spec = PrepareSpec(source=SourceSpec(from_="path:/x", build=" make "))
+    checked = config.checked(spec)
+    assert checked.source is not None and checked.source.build == " make "
+
+
+def test_a_value_resolve_took_is_not_checked_again_by_the_plan():
+    # Each value is checked where it enters: the file's by load, a flag's by
+    # resolve. The plan checks only what came from code.
+    from dataclasses import replace
+
+    from prepare.config.fields import Table
+
+    seen: list[object] = []
+    field = TABLE.by_key["smoke_timeout"]
+    counted = replace(field.kind, check=lambda v: seen.append(v) or field.kind.check(v))
+    table = Table([replace(f, kind=counted) if f is field else f for f in TABLE.fields])
+    spec = config.resolve({}, {"smoke_timeout": 60.0}, {}, table=table)
+    assert seen == [60.0]
+    plan(spec, table=table)
+    assert seen == [60.0]
+    plan(PrepareSpec(smoke_timeout_s=30.0), table=table)
+    assert seen == [60.0, 30.0]
 
 
 # -- every value in a range the box can act on ---------------------------------------------

@@ -25,10 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from prepare import data, listing, locks, mount, mounts, sshfs_url
+import prepare.plan
+from prepare import config
+from prepare.data import listing, mount
+from prepare.data import root as data
+from prepare.data import url as sshfs_url
+from prepare.data.url import Source, parse_source, sshfs_argv
 from prepare.fail import Fail
+from prepare.host import locks, mounts
+from prepare.plan import plan
 from prepare.spec import DataSpec, PrepareSpec, SshSpec
-from prepare.sshfs_url import Source, parse_source, sshfs_argv
 
 pytestmark = pytest.mark.usefixtures("forget_mount_locks")
 
@@ -37,9 +43,14 @@ def _spec(data_path: str | None = None, data_source: str | None = None, **kw: ob
     return PrepareSpec(data=DataSpec(data_path=data_path, data_source=data_source), cpu_only=True, **kw)  # type: ignore[arg-type]
 
 
+def ensure(spec: PrepareSpec, notes: list[str]) -> str | None:
+    """Step 2 on `spec`'s plan, as the pipeline runs it."""
+    return data.ensure(plan(spec).data, notes)
+
+
 def _fail(spec: PrepareSpec, notes: list[str] | None = None) -> Fail:
     with pytest.raises(Fail) as caught:
-        data.ensure_root(spec, notes if notes is not None else [])
+        ensure(spec, notes if notes is not None else [])
     return caught.value
 
 
@@ -274,22 +285,22 @@ def test_options_are_rewritten_into_the_one_shape_sshfs_accepts() -> None:
 
 def test_nothing_declared_ships_nothing_and_checks_nothing() -> None:
     notes: list[str] = []
-    assert data.ensure_root(PrepareSpec(), notes) is None
+    assert ensure(PrepareSpec(), notes) is None
     assert notes == []
 
 
 def test_a_declared_directory_is_shipped_absolute(tmp_path: Path) -> None:
     (tmp_path / "root").mkdir()
     notes: list[str] = []
-    assert data.ensure_root(_spec(data_path=str(tmp_path / "root")), notes) == str(tmp_path / "root")
+    assert ensure(_spec(data_path=str(tmp_path / "root")), notes) == str(tmp_path / "root")
     assert notes == []
 
 
 def test_a_data_path_is_normalized_lexically_and_symlinks_are_kept(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    assert data.ensure_root(_spec(data_path=str(tmp_path / "link")), []) == str(tmp_path / "link")
-    assert data.ensure_root(_spec(data_path=f"{tmp_path}/./real/../link/"), []) == str(tmp_path / "link")
+    assert ensure(_spec(data_path=str(tmp_path / "link")), []) == str(tmp_path / "link")
+    assert ensure(_spec(data_path=f"{tmp_path}/./real/../link/"), []) == str(tmp_path / "link")
 
 
 @pytest.mark.parametrize("value", ["relative/dir", "link", "./real/../link/", "data"])
@@ -304,26 +315,35 @@ def test_a_relative_data_path_is_refused_permanently_with_an_absolute_example(
     (tmp_path / "data").mkdir()
     monkeypatch.chdir(tmp_path)
     fail = _fail(_spec(data_path=value))
-    assert fail.kind == "permanent"
-    assert "`data_path`" in fail.message and "--data-path" in fail.message
-    assert repr(value) in fail.message
-    assert "/flodl/data" in fail.message
+    assert fail.reason == "config.invalid"
+    assert f'PrepareSpec.data.data_path = "{value}": is a relative path' in fail.message
+    assert "e.g. /flodl/data" in fail.message
     # The same for the mountpoint of a data_source: nothing is created.
     fail = _fail(_spec(data_path="not-made/here", data_source="sshfs://exa/flodl/data"))
-    assert fail.kind == "permanent" and "`data_path`" in fail.message
+    assert fail.reason == "config.invalid" and "PrepareSpec.data.data_path" in fail.message
     assert not (tmp_path / "not-made").exists()
 
 
-def test_a_home_relative_data_path_is_expanded_and_refused_when_home_is_relative(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("value", ["~/data", "~root/data"])
+def test_a_home_relative_data_path_is_refused_as_a_state_dir_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
+    # Only a shell expands `~`: below it, it is a directory named `~`. The
+    # same rule as state_dir's, wherever the value comes from.
     (tmp_path / "data").mkdir()
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert data.ensure_root(_spec(data_path="~/data"), []) == str(tmp_path / "data")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HOME", ".")
-    fail = _fail(_spec(data_path="~/data"))
-    assert fail.kind == "permanent" and "`data_path`" in fail.message
+    fail = _fail(_spec(data_path=value))
+    assert fail.reason == "config.invalid"
+    assert "PrepareSpec.data.data_path" in fail.message and "starts with '~'" in fail.message
+    with pytest.raises(Fail) as caught:
+        config.resolve({"data_path": value}, {}, {})
+    assert "join.data_path" in caught.value.message and "starts with '~'" in caught.value.message
+
+
+def test_a_data_source_is_not_mounted_over_the_root_of_the_machine() -> None:
+    fail = _fail(_spec(data_path="/", data_source="sshfs://exa/flodl/data"))
+    assert fail.reason == "config.invalid"
+    assert "data_path '/' (from PrepareSpec.data.data_path) cannot be the mountpoint of data_source" in fail.message
 
 
 @pytest.mark.parametrize(
@@ -350,13 +370,14 @@ def test_a_data_path_that_is_not_a_listable_directory_is_permanent_naming_data_p
 @pytest.mark.parametrize("value", ["", "  "])
 def test_an_empty_data_path_is_permanent_naming_data_path(value: str) -> None:
     fail = _fail(_spec(data_path=value))
-    assert fail.kind == "permanent" and "`data_path`" in fail.message
+    assert fail.reason == "config.invalid" and "PrepareSpec.data.data_path" in fail.message
+    assert "expected a non-empty string" in fail.message
 
 
 @pytest.mark.mounts
 def test_a_read_only_data_path_is_normal_not_a_fault(tmpfs: object) -> None:
     root = tmpfs(read_only=True, populate=lambda p: (p / "train").mkdir())  # type: ignore[operator]
-    assert data.ensure_root(_spec(data_path=str(root)), []) == str(root)
+    assert ensure(_spec(data_path=str(root)), []) == str(root)
 
 
 def _ensure_root_without_dac_override(spec: str) -> tuple[str, str]:
@@ -364,11 +385,12 @@ def _ensure_root_without_dac_override(spec: str) -> tuple[str, str]:
     child that is root without the capabilities overriding permissions, so
     the kernel's own EACCES is met; return the Fail's kind and message."""
     code = (
-        "from prepare import data\n"
+        "from prepare.data import root\n"
+        "from prepare.plan import plan\n"
         "from prepare.spec import DataSpec, PrepareSpec, SshSpec\n"
         "from prepare.fail import Fail\n"
         f"spec = {spec}\n"
-        "try:\n    data.ensure_root(spec, [])\nexcept Fail as f:\n    print(f.kind); print(f.message)\n"
+        "try:\n    root.ensure(plan(spec).data, [])\nexcept Fail as f:\n    print(f.kind); print(f.message)\n"
     )
     done = subprocess.run(
         # Out of every set a child could regain them from: a container
@@ -417,7 +439,7 @@ def test_a_source_is_mounted_read_only_and_a_write_through_it_fails_with_erofs(
 ) -> None:
     point = sshfs_mounts.point()
     notes: list[str] = []
-    got = data.ensure_root(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point)), notes)
+    got = ensure(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point)), notes)
     assert got == str(point)
     mount = _only_mount(point)
     assert mount.fstype == "fuse.sshfs"
@@ -448,7 +470,7 @@ def test_an_identity_file_with_a_comma_and_a_backslash_in_its_path_reaches_ssh_i
     key.chmod(0o600)
     point = sshfs_mounts.point()
     spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), identity=key)
-    assert data.ensure_root(spec, []) == str(point)
+    assert ensure(spec, []) == str(point)
     assert _only_mount(point).fstype == "fuse.sshfs"
 
 
@@ -457,7 +479,7 @@ def test_the_scp_spelling_mounts_the_same_source(sshd, sshfs_mounts, remote_tree
     point = sshfs_mounts.point()
     # No port in the source: the ssh block's own Port option carries it.
     spec = sshd.spec(data_source=sshd.source(remote_tree, scp=True), data_path=str(point), extra=(f"Port={sshd.port}",))
-    assert data.ensure_root(spec, []) == str(point)
+    assert ensure(spec, []) == str(point)
     assert _only_mount(point).source == sshd.remote(remote_tree)
 
 
@@ -467,11 +489,11 @@ def test_a_second_prepare_reuses_the_mount_of_the_same_source_with_a_note(
 ) -> None:
     point = sshfs_mounts.point()
     spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point))
-    data.ensure_root(spec, [])
+    ensure(spec, [])
     first = _only_mount(point)
     serving = _sshfs_pids(point)
     notes: list[str] = []
-    assert data.ensure_root(spec, notes) == str(point)
+    assert ensure(spec, notes) == str(point)
     assert _only_mount(point).mount_id == first.mount_id
     assert _sshfs_pids(point) == serving
     assert len(notes) == 1
@@ -479,7 +501,7 @@ def test_a_second_prepare_reuses_the_mount_of_the_same_source_with_a_note(
     # The same source spelled with a trailing slash is still the same source.
     spec = sshd.spec(data_source=sshd.source(f"{remote_tree}/"), data_path=str(point))
     notes = []
-    data.ensure_root(spec, notes)
+    ensure(spec, notes)
     assert "reusing it" in notes[0]
     assert sshfs_mounts.count_at(point) == 1
 
@@ -492,10 +514,10 @@ def test_a_symlinked_mountpoint_is_mounted_through_and_shipped_as_declared(
     link = tmp_path / "declared"
     link.symlink_to(real)
     spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(link))
-    assert data.ensure_root(spec, []) == str(link)
+    assert ensure(spec, []) == str(link)
     assert _only_mount(real).fstype == "fuse.sshfs"
     notes: list[str] = []
-    assert data.ensure_root(spec, notes) == str(link)
+    assert ensure(spec, notes) == str(link)
     assert "reusing it" in notes[0]
     assert sshfs_mounts.count_at(real) == 1
 
@@ -511,7 +533,7 @@ def test_a_mount_of_a_different_source_is_left_alone_with_the_fusermount_note(
     sshfs_mounts.sshfs(sshd, other, point)
     before = _only_mount(point)
     notes: list[str] = []
-    got = data.ensure_root(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point)), notes)
+    got = ensure(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point)), notes)
     assert got == str(point)
     assert _only_mount(point).mount_id == before.mount_id
     assert (point / "theirs").exists()
@@ -527,7 +549,7 @@ def test_a_kernel_mount_already_at_the_mountpoint_is_left_alone_with_the_umount_
 ) -> None:
     point = tmpfs(populate=lambda p: (p / "provisioned").mkdir())  # type: ignore[operator]
     notes: list[str] = []
-    assert data.ensure_root(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point)), notes) == str(point)
+    assert ensure(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point)), notes) == str(point)
     assert _only_mount(point).fstype == "tmpfs"
     assert f"`sudo umount {point}`" in notes[0]
 
@@ -537,8 +559,8 @@ def test_the_mountpoint_is_created_when_missing_and_the_default_is_used_when_non
     sshd, sshfs_mounts, remote_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     point = sshfs_mounts.track(tmp_path / "made" / "by" / "prepare")
-    monkeypatch.setattr(data, "DEFAULT_DATA_PATH", str(point))
-    assert data.ensure_root(sshd.spec(data_source=sshd.source(remote_tree), data_path=None), []) == str(point)
+    monkeypatch.setattr(prepare.plan, "DATA_MOUNTPOINT", str(point))
+    assert ensure(sshd.spec(data_source=sshd.source(remote_tree), data_path=None), []) == str(point)
     assert _only_mount(point).fstype == "fuse.sshfs"
 
 
@@ -569,7 +591,7 @@ def test_a_stopped_sshd_is_transient_and_the_next_attempt_after_it_returns_mount
     assert fail.kind == "transient"
     assert "sshfs exited" in fail.message
     server.start()
-    assert data.ensure_root(spec, []) == str(point)
+    assert ensure(spec, []) == str(point)
     assert _only_mount(point).fstype == "fuse.sshfs"
 
 
@@ -684,7 +706,7 @@ def test_an_option_ssh_only_warns_about_leaves_a_network_failure_transient(
     # And against a server that answers, the warning does not stop the mount.
     point = sshfs_mounts.point()
     spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), extra=("RSAAuthentication=yes",))
-    assert data.ensure_root(spec, []) == str(point)
+    assert ensure(spec, []) == str(point)
     assert _only_mount(point).fstype == "fuse.sshfs"
 
 
@@ -833,7 +855,7 @@ def test_a_dead_mount_makes_listing_time_out_transient_within_the_timeout(
     spec = server.spec(
         data_source=server.source(remote_tree), data_path=str(point), extra=("dir_cache=no",), list_timeout_s=2.0
     )
-    assert data.ensure_root(spec, []) == str(point)
+    assert ensure(spec, []) == str(point)
     assert server.freeze(), "no sshd connection process to freeze"
 
     start = time.monotonic()
@@ -855,7 +877,7 @@ def test_a_dead_mount_makes_listing_time_out_transient_within_the_timeout(
 def test_a_mount_whose_sshfs_process_died_is_replaced_with_a_note(sshd, sshfs_mounts, remote_tree: Path) -> None:
     point = sshfs_mounts.point()
     spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point))
-    data.ensure_root(spec, [])
+    ensure(spec, [])
     pids = _sshfs_pids(point)
     assert pids
     for pid in pids:
@@ -865,7 +887,7 @@ def test_a_mount_whose_sshfs_process_died_is_replaced_with_a_note(sshd, sshfs_mo
     assert caught.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
 
     notes: list[str] = []
-    assert data.ensure_root(spec, notes) == str(point)
+    assert ensure(spec, notes) == str(point)
     assert _only_mount(point).fstype == "fuse.sshfs"
     fresh = _sshfs_pids(point)
     assert fresh and not set(fresh) & set(pids)
@@ -977,7 +999,7 @@ def test_a_prepare_waits_for_the_mount_lock_and_then_reuses_what_the_holder_moun
         fcntl.flock(fd, fcntl.LOCK_EX)
         outcome: list[object] = []
         notes: list[str] = []
-        waiter = threading.Thread(target=lambda: outcome.append(data.ensure_root(spec, notes)))
+        waiter = threading.Thread(target=lambda: outcome.append(ensure(spec, notes)))
         waiter.start()
         time.sleep(0.5)
         assert waiter.is_alive() and sshfs_mounts.count_at(point) == 0
@@ -1102,7 +1124,7 @@ def test_a_data_source_on_the_tunnel_host_takes_the_ssh_blocks_user_and_port(
         cpu_only=True,
     )
     notes: list[str] = []
-    assert data.ensure_root(spec, notes) == str(point)
+    assert ensure(spec, notes) == str(point)
     assert _only_mount(point).source == sshd.remote(remote_tree)
     assert any(f"port {sshd.port} (ssh.port)" in n and f"user {sshd.user} (ssh.user)" in n for n in notes), notes
 

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import other_user
 import pytest
 
-from prepare import dirs, mounts
 from prepare.fail import Fail
+from prepare.host import dirs, mounts
 
 # Uid and gid with no password-database entry on any sane test machine.
 NOBODY_UID = 54321
@@ -54,7 +54,7 @@ def as_user(uid: int, env: dict[str, str]) -> dict:
     root skips are only real for someone else."""
     code = (
         "import json\n"
-        "from prepare import dirs\n"
+        "from prepare.host import dirs\n"
         "from prepare.fail import Fail\n"
         "notes = []\n"
         "try:\n"

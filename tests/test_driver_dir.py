@@ -17,7 +17,9 @@ import pytest
 from driver_fixtures import DriverHost
 from nvml_fixtures import FakeGpu, host_has_nvml, no_driver_env
 
-from prepare import driver_dir
+from prepare.fail import Fail
+from prepare.gpu import driver_dir
+from prepare.spec import PrepareSpec
 
 DEFAULT = "/run/opengl-driver/lib"
 REPO = Path(__file__).resolve().parent.parent
@@ -230,10 +232,15 @@ def test_a_current_directory_needs_no_write_from_a_user_who_could_not_make_it(dr
     assert driver_host.ensure(where, uid=NOBODY) == {"notes": [], "links": links_to(driver_host)}
 
 
-def test_a_relative_driver_dir_is_refused_naming_the_field(driver_host):
-    driver_host.install()
-    fail = driver_host.ensure("run/opengl-driver/lib")["fail"]
-    assert fail["reason"] == "config.invalid" and "driver_dir = 'run/opengl-driver/lib'" in fail["message"]
+@pytest.mark.parametrize("value", ["run/opengl-driver/lib", "~/driver"])
+def test_a_relative_driver_dir_is_refused_naming_the_field(value):
+    # By the plan, before the gate, on any box: the path Nix-built programs
+    # look in is fixed, and a relative one names none.
+    from prepare.plan import plan
+
+    with pytest.raises(Fail) as caught:
+        plan(PrepareSpec(driver_dir=value))
+    assert caught.value.reason == "config.invalid" and f'PrepareSpec.driver_dir = "{value}"' in caught.value.message
 
 
 def test_the_gate_keeps_the_directory_then_surveys_nvml(driver_host, fake_nvml, tmp_path):
@@ -244,10 +251,10 @@ def test_the_gate_keeps_the_directory_then_surveys_nvml(driver_host, fake_nvml, 
     where = tmp_path / "driver"
     code = (
         "import json\n"
-        "from prepare import gate\n"
+        "from prepare.gpu import gate\n"
         "from prepare.spec import PrepareSpec\n"
         "notes = []\n"
-        f"gpus = gate.check(PrepareSpec(driver_dir={str(where)!r}), notes)\n"
+        f"gpus = gate.check(gate.GatePlan(driver_dir={str(where)!r}), notes)\n"
         "print(json.dumps({'offered': list(gpus.offered_indices), 'notes': notes}))\n"
     )
     done = driver_host.run(code, env=env)
@@ -270,7 +277,7 @@ def test_nvml_is_found_in_the_driver_directory_when_the_loader_finds_none(fake_n
     where.mkdir()
     code = (
         "import json, sys\n"
-        "from prepare import gate\n"
+        "from prepare.gpu import gate\n"
         "from prepare.fail import Fail\n"
         "try:\n"
         "    print(json.dumps(list(gate.survey(driver_dir=sys.argv[1]).offered_indices)))\n"

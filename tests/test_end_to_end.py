@@ -19,7 +19,7 @@ from console import fdl_prepare
 from nix_fixtures import trainer
 from nvml_fixtures import ampere_pair
 
-from prepare import dirs, mounts
+from prepare.host import dirs, mounts
 
 pytestmark = [pytest.mark.sshfs, pytest.mark.nix]
 

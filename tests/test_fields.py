@@ -12,11 +12,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from prepare import cli, config
+from prepare import config
+from prepare.cli import app
+from prepare.config.fields import FIELDS, TABLE, Env, Field, Table, nest, value_at
+from prepare.config.kinds import SECONDS
 from prepare.fail import Fail
-from prepare.fields import FIELDS, SECONDS, TABLE, Env, Field, Table, nest, value_at
+from prepare.plan import plan
 from prepare.spec import PrepareSpec, SourceSpec
 
 PACKAGE = Path(config.__file__).resolve().parent
@@ -116,8 +118,9 @@ def _code_strings_and_names(path: Path) -> tuple[set[str], set[str]]:
 # module's option when the module types it (test_module.py) are the places.
 
 
-def test_the_config_names_no_key_flag_or_parameter_of_its_own():
-    strings, names = _code_strings_and_names(PACKAGE / "config.py")
+@pytest.mark.parametrize("module", ["file.py", "schema.py", "resolve.py"])
+def test_the_config_names_no_key_flag_or_parameter_of_its_own(module):
+    strings, names = _code_strings_and_names(PACKAGE / module)
     for f in FIELDS:
         assert {f.key, f.name, f"join.{f.key}", f.flag} & strings == set(), f.key
         assert f.param not in names, f.key
@@ -125,7 +128,7 @@ def test_the_config_names_no_key_flag_or_parameter_of_its_own():
 
 def test_the_cli_declares_no_option_for_a_field_of_its_own():
     # Its messages and summary may still say "--cpu-only" or "libtorch" in passing.
-    strings, names = _code_strings_and_names(PACKAGE / "cli.py")
+    strings, names = _code_strings_and_names(PACKAGE.parent / "cli" / "app.py")
     for f in FIELDS:
         assert f.flag not in strings and f"{f.flag}/--no-{f.flag[2:]}" not in strings, f.flag
         assert f.param not in names, f.param
@@ -175,24 +178,22 @@ def test_a_new_field_is_checked_hinted_and_suggested_like_the_others(tmp_path):
         config.load(tmp_path.joinpath("prepare.toml"))
 
 
-def test_a_new_field_set_in_code_is_checked_by_check_spec():
+def test_a_new_field_set_in_code_is_checked_by_the_plan():
     with pytest.raises(Fail) as caught:
-        config.check_spec(WithStageTimeout(stage_timeout_s=-1), table=WIDER)
+        plan(WithStageTimeout(stage_timeout_s=-1), table=WIDER)
     assert "PrepareSpec.stage_timeout_s = -1: expected a finite number of seconds" in caught.value.message
 
 
-def test_a_new_field_is_an_option_of_the_command(tmp_path):
+def test_a_new_field_is_an_option_of_the_command(tmp_path, monkeypatch, capsys):
     (tmp_path / "prepare.toml").write_text("[join]\n")
-    runner = CliRunner()
-    env = {"FDL_PREPARE_CONFIG": str(tmp_path / "prepare.toml")}
-    app = cli.make_app(WIDER)
-    shown = runner.invoke(app, ["--help"], env=env)
-    assert shown.exit_code == 0 and "--stage-timeout SECONDS" in shown.output
-    assert "--stage-timeout" not in runner.invoke(cli.app, ["--help"]).output
+    monkeypatch.setenv("FDL_PREPARE_CONFIG", str(tmp_path / "prepare.toml"))
+    assert app.run(["--help"], table=WIDER) == 0
+    assert "--stage-timeout SECONDS" in capsys.readouterr().out
+    assert app.run(["--help"]) == 0
+    assert "--stage-timeout" not in capsys.readouterr().out
     # Given on the command line, it reaches resolve as a flag and is named as one.
-    done = runner.invoke(app, ["--stage-timeout", "0", "--json"], env=env)
-    assert done.exit_code == 78, done.output
-    assert "--stage-timeout (join.stage_timeout) = 0.0" in done.output
+    assert app.run(["--stage-timeout", "0", "--json"], table=WIDER) == 78
+    assert "--stage-timeout (join.stage_timeout) = 0.0" in capsys.readouterr().out
 
 
 # A value for each kind as typed on the command line, and as it reaches resolve.
@@ -220,10 +221,8 @@ FLAG_SAMPLES = {
 
 
 @pytest.mark.parametrize("f", FIELDS, ids=[f.key for f in FIELDS])
-def test_every_fields_flag_reaches_resolve_under_its_key(f, monkeypatch):
-    seen: list[dict] = []
-    monkeypatch.setattr(cli, "_prepare", lambda config_flag, flags, *rest: seen.append(flags) or 0)
+def test_every_fields_flag_reaches_resolve_under_its_key(f):
     text, value = FLAG_SAMPLES[f.kind.name]
-    done = CliRunner().invoke(cli.app, [f.flag, *text])
-    assert done.exit_code == 0, done.output
-    assert seen == [nest({f.key: value})]
+    given, extra = app.parser().parse_known_args([f.flag, *text])
+    assert extra == [] and given.command is None
+    assert app.flags(TABLE, given) == nest({f.key: value})

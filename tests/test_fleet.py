@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 from console import console_script
 from fleet_fixtures import built, substituted
-from nix_fixtures import NIX_CONFIG, nix_daemon_client, procs_with, trainer
+from nix_fixtures import NIX_CONFIG, build, nix_daemon_client, procs_with, trainer
 
-from prepare import manifest as manifest_mod
-from prepare import nix as nix_mod
-from prepare.build import build
+from prepare.build import manifest as manifest_mod
 from prepare.fail import Fail
-from prepare.nix import Nix
+from prepare.nix import runner as nix_mod
+from prepare.nix.runner import Nix
 from prepare.publish import PublishSpec, publish
 from prepare.spec import NixSpec, PrepareSpec, SourceSpec
 
@@ -202,7 +201,7 @@ def _directory_source(tmp_path: Path) -> Path:
 
 def _box_finds_nothing_published(tree: Path, flake: str, tmp_path: Path) -> None:
     with pytest.raises(Fail) as caught:
-        build(box(f"path:{tree}", flake, tmp_path / "box-state"), None, [])
+        build(box(f"path:{tree}", flake, tmp_path / "box-state"), [])
     assert not caught.value.permanent
     assert "nothing is published yet" in caught.value.message
 

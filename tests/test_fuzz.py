@@ -22,10 +22,14 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepare import config, manifest, nix_urls, sshfs_url
+from prepare import config
+from prepare.build import manifest
+from prepare.config.fields import TABLE
+from prepare.data import url as sshfs_url
 from prepare.fail import Fail
-from prepare.fields import TABLE
-from prepare.redact import credentials
+from prepare.host.redact import credentials
+from prepare.nix import urls
+from prepare.plan import Plan, plan
 from prepare.spec import DataSpec, NixSpec, PrepareSpec, SourceSpec, SshSpec
 
 # The budget per property.
@@ -172,9 +176,15 @@ def _load_then_resolve(raw: bytes) -> None:
         try:
             spec = config.resolve(table, {}, {})
         except Fail as fail:
-            assert fail.permanent and ("join." in fail.message or "cpu_only" in fail.message), fail.message
+            assert fail.permanent and "join." in fail.message, fail.message
             return
         assert isinstance(spec, PrepareSpec)
+        try:
+            plan(spec, {})
+        except Fail as fail:
+            # What is wrong with the spec as a whole (the rules, the URLs,
+            # the source's grammar): still the config's, never a traceback.
+            assert fail.reason in ("config.invalid", "config.credentials-in-url"), fail.message
     finally:
         _remove(path)
 
@@ -273,7 +283,7 @@ FLAKE_URLS = st.builds(
 @given(st.one_of(FLAKE_URLS, TEXT))
 def test_any_source_from_is_a_pinned_safe_url_or_a_permanent_fail_naming_source_from(value: str) -> None:
     try:
-        url = nix_urls.check_source_url(value)
+        url = urls.check_source_url(value)
     except Fail as fail:
         assert fail.permanent and "source.from" in fail.message
         # A credential in the value's user-info is never quoted back.
@@ -288,7 +298,7 @@ def test_any_source_from_is_a_pinned_safe_url_or_a_permanent_fail_naming_source_
 @given(st.one_of(FLAKE_URLS, TEXT))
 def test_any_flake_is_a_safe_url_or_a_permanent_fail_naming_flake(value: str) -> None:
     try:
-        url = nix_urls.check_flake_url(value)
+        url = urls.check_flake_url(value)
     except Fail as fail:
         assert fail.permanent and "flake" in fail.message
         assert credentials(value) is None or "tok@" not in fail.message
@@ -324,8 +334,19 @@ SPECS = st.builds(
 @given(SPECS)
 def test_any_spec_built_in_code_is_checked_into_a_spec_or_a_fail_naming_a_spec_field(spec: PrepareSpec) -> None:
     try:
-        checked = config.check_spec(spec)
+        checked = config.checked(spec)
     except Fail as fail:
         assert fail.permanent and "PrepareSpec" in fail.message, fail.message
         return
     assert isinstance(checked, PrepareSpec)
+
+
+@FUZZ
+@given(SPECS)
+def test_any_spec_built_in_code_is_planned_or_refused_as_config_never_a_traceback(spec: PrepareSpec) -> None:
+    try:
+        made = plan(spec, {})
+    except Fail as fail:
+        assert fail.reason in ("config.invalid", "config.credentials-in-url"), fail.message
+        return
+    assert isinstance(made, Plan) and (made.build is None) == (not spec.wants_build)

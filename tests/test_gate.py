@@ -27,9 +27,9 @@ from nvml_fixtures import (
     pascal_card,
 )
 
-from prepare import gate, gpu_table, nvml
 from prepare.fail import Fail
-from prepare.spec import PrepareSpec
+from prepare.gpu import gate, nvml
+from prepare.gpu import table as gpu_table
 
 REPO = Path(__file__).resolve().parent.parent
 FUNCTION_NOT_FOUND = 13
@@ -117,7 +117,7 @@ def test_nvml_is_shut_down_even_when_counting_the_devices_fails(nvml_box):
 def test_one_lost_card_beside_two_good_ones_still_passes_the_gate(nvml_box):
     nvml_box([FakeGpu(), FakeGpu(fail=GPU_IS_LOST), FakeGpu()])
     notes: list[str] = []
-    gpus = gate.check(PrepareSpec(), notes)
+    gpus = gate.check(gate.GatePlan(), notes)
     assert gpus is not None
     assert gpus.offered_indices == (0, 2)
     lost = gpus.devices[1]
@@ -156,7 +156,7 @@ def test_every_card_failing_is_permanent_and_names_each_card(nvml_box):
     nvml_box([FakeGpu(fail=GPU_IS_LOST), FakeGpu(fail=UNKNOWN, fail_on="uuid")])
     notes: list[str] = []
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), notes)
+        gate.check(gate.GatePlan(), notes)
     message = failed.value.message
     assert failed.value.permanent
     assert "GPU 0" in message and "GPU is lost" in message
@@ -168,7 +168,7 @@ def test_every_card_failing_is_permanent_and_names_each_card(nvml_box):
 def test_a_box_with_the_driver_loaded_but_no_card_is_permanent(nvml_box):
     nvml_box([])
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), [])
+        gate.check(gate.GatePlan(), [])
     assert failed.value.permanent
     assert "no NVIDIA device" in failed.value.message
     assert "nvidia-smi -L" in failed.value.message
@@ -199,7 +199,7 @@ def test_a_driver_that_will_not_tell_its_versions_is_still_surveyed(nvml_box):
 def test_each_nvml_init_error_names_its_cause_and_fix(nvml_box, code, permanent, fix):
     box = nvml_box(ampere_pair(), init_error=code)
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), [])
+        gate.check(gate.GatePlan(), [])
     assert failed.value.permanent is permanent
     assert fix in failed.value.message
     assert f"(error {code})" in failed.value.message
@@ -226,8 +226,8 @@ def test_a_box_without_any_driver_is_told_which_package_to_install():
     if host_has_nvml():
         pytest.skip("this host has a real libnvidia-ml.so.1 on the default search path")
     code = (
-        "import json\nfrom prepare import gate\nfrom prepare.spec import PrepareSpec\nfrom prepare.fail import Fail\n"
-        "try:\n    gate.check(PrepareSpec(), [])\n    print(json.dumps({'kind': None}))\n"
+        "import json\nfrom prepare.gpu import gate\nfrom prepare.spec import PrepareSpec\nfrom prepare.fail import Fail\n"
+        "try:\n    gate.check(gate.GatePlan(), [])\n    print(json.dumps({'kind': None}))\n"
         "except Fail as f:\n    print(json.dumps({'kind': f.kind, 'message': f.message}))\n"
     )
     out = run_python(code, no_driver_env())
@@ -239,7 +239,7 @@ def test_a_box_without_any_driver_is_told_which_package_to_install():
 
 def test_a_subprocess_finds_the_fake_through_ld_library_path(fake_nvml):
     box = fake_nvml.box(pascal_card())
-    code = "import json\nfrom prepare import gate\nprint(json.dumps(gate.survey().to_json()))\n"
+    code = "import json\nfrom prepare.gpu import gate\nprint(json.dumps(gate.survey().to_json()))\n"
     out = run_python(code, box.env(no_driver_env()))
     assert [(d["name"], d["capability"]) for d in out["devices"]] == [("NVIDIA GeForce GTX 1080 Ti", "6.1")]
     assert box.calls() == ["init 0", "shutdown 0"]
@@ -251,15 +251,15 @@ def test_a_subprocess_finds_the_fake_through_ld_library_path(fake_nvml):
 def test_cpu_only_never_touches_nvml(nvml_box):
     box = nvml_box(ampere_pair(), init_error=DRIVER_NOT_LOADED)
     notes: list[str] = []
-    assert gate.check(PrepareSpec(cpu_only=True), notes) is None
+    assert gate.check(gate.GatePlan(cpu_only=True), notes) is None
     assert box.calls() == []
     assert notes == ["GPU gate skipped: cpu_only is set, so only the cpu libtorch variant can be used."]
 
 
 def test_cpu_only_passes_on_a_box_with_no_driver_and_never_imports_pynvml():
     code = (
-        "import json, sys\nfrom prepare import gate\nfrom prepare.spec import PrepareSpec\n"
-        "notes = []\nresult = gate.check(PrepareSpec(cpu_only=True), notes)\n"
+        "import json, sys\nfrom prepare.gpu import gate\nfrom prepare.spec import PrepareSpec\n"
+        "notes = []\nresult = gate.check(gate.GatePlan(cpu_only=True), notes)\n"
         "print(json.dumps({'result': result, 'notes': notes, 'pynvml': 'pynvml' in sys.modules}))\n"
     )
     out = run_python(code, no_driver_env())
@@ -270,7 +270,7 @@ def test_cpu_only_passes_on_a_box_with_no_driver_and_never_imports_pynvml():
 
 def test_importing_prepare_does_not_import_pynvml():
     out = run_python(
-        "import json, sys\nimport prepare, prepare.gate, prepare.pipeline\nprint(json.dumps('pynvml' in sys.modules))\n",
+        "import json, sys\nimport prepare, prepare.gpu.gate, prepare.pipeline\nprint(json.dumps('pynvml' in sys.modules))\n",
         no_driver_env(),
     )
     assert out is False
@@ -320,7 +320,7 @@ def test_masking_every_card_through_cuda_visible_devices_is_permanent(nvml_box, 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     notes: list[str] = []
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), notes)
+        gate.check(gate.GatePlan(), notes)
     assert failed.value.permanent
     assert "CUDA_VISIBLE_DEVICES=''" in failed.value.message
     assert "every usable GPU is masked" in failed.value.message
@@ -331,7 +331,7 @@ def test_a_visible_broken_card_does_not_count_as_offered(nvml_box, monkeypatch):
     nvml_box([FakeGpu(fail=GPU_IS_LOST), FakeGpu()])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), [])
+        gate.check(gate.GatePlan(), [])
     assert "CUDA_VISIBLE_DEVICES='0'" in failed.value.message
     assert "GPU 1" in failed.value.message
 
@@ -398,7 +398,7 @@ def test_mig_instances_are_only_listed_when_an_entry_asks_for_them():
 def test_devices_offers_only_the_cards_it_names(nvml_box):
     nvml_box(three_cards())
     notes: list[str] = []
-    gpus = gate.check(PrepareSpec(devices=(2, 0)), notes)
+    gpus = gate.check(gate.GatePlan(devices=(2, 0)), notes)
     assert gpus.offered_indices == (0, 2)
     assert gpus.devices_mask == (2, 0)
     assert gpus.masked_by(1) == "devices"
@@ -408,7 +408,7 @@ def test_devices_offers_only_the_cards_it_names(nvml_box):
 def test_devices_applies_after_cuda_visible_devices(nvml_box, monkeypatch):
     nvml_box(three_cards())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
-    gpus = gate.check(PrepareSpec(devices=(0, 1, 2)), [])
+    gpus = gate.check(gate.GatePlan(devices=(0, 1, 2)), [])
     assert gpus.offered_indices == (2, 1)
     assert gpus.masked_by(0) == "CUDA_VISIBLE_DEVICES"
 
@@ -416,7 +416,7 @@ def test_devices_applies_after_cuda_visible_devices(nvml_box, monkeypatch):
 def test_devices_naming_an_absent_card_is_permanent_and_names_the_field(nvml_box):
     nvml_box(ampere_pair())
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(devices=(0, 3)), [])
+        gate.check(gate.GatePlan(devices=(0, 3)), [])
     message = failed.value.message
     assert failed.value.permanent
     assert "devices = [0, 3]" in message and "--devices" in message
@@ -427,7 +427,7 @@ def test_devices_and_cuda_visible_devices_that_share_no_card_are_permanent(nvml_
     nvml_box(ampere_pair())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(devices=(0,)), [])
+        gate.check(gate.GatePlan(devices=(0,)), [])
     message = failed.value.message
     assert "CUDA_VISIBLE_DEVICES='1' then devices = [0] (--devices)" in message
     assert "fdl-prepare gpus" in message
@@ -445,7 +445,7 @@ def test_the_table_aligns_its_columns_and_marks_every_status(nvml_box, monkeypat
         ]
     )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
-    gpus = gate.check(PrepareSpec(), [])
+    gpus = gate.check(gate.GatePlan(), [])
     table = gpu_table.format_table(gpus)
     lines = table.splitlines()
     assert lines[0] == "NVIDIA driver 570.86.15, CUDA 12.8"
@@ -466,7 +466,7 @@ def test_the_table_of_a_box_with_no_card_says_so():
 
 def test_the_json_survey_is_plain_json_with_labels_for_versions(nvml_box):
     nvml_box([FakeGpu(), FakeGpu(fail=GPU_IS_LOST)], cuda=(12, 8))
-    gpus = gate.check(PrepareSpec(devices=(0,)), [])
+    gpus = gate.check(gate.GatePlan(devices=(0,)), [])
     data = json.loads(json.dumps(gpus.to_json()))
     assert data["driver_version"] == "570.86.15"
     assert data["cuda_driver_version"] == "12.8"
@@ -491,5 +491,5 @@ def test_the_json_survey_is_plain_json_with_labels_for_versions(nvml_box):
 
 def test_devices_given_with_cpu_only_are_noted_as_ignored():
     notes: list[str] = []
-    assert gate.check(PrepareSpec(cpu_only=True, devices=(0, 1)), notes) is None
+    assert gate.check(gate.GatePlan(cpu_only=True, devices=(0, 1)), notes) is None
     assert any("devices (0,1) is ignored with cpu_only" in n for n in notes), notes

@@ -26,8 +26,8 @@ from nvml_fixtures import (
     no_driver_env,
 )
 
-from prepare import gate
 from prepare.fail import Fail
+from prepare.gpu import gate
 from prepare.pipeline import prepare
 from prepare.spec import PrepareSpec
 
@@ -60,7 +60,7 @@ def test_a_sick_card_beside_a_healthy_one_is_a_note_and_is_not_offered(nvml_box,
     sick, words, fix = SICK[case]
     nvml_box([FakeGpu(), sick])
     notes: list[str] = []
-    gpus = gate.check(PrepareSpec(), notes)
+    gpus = gate.check(gate.GatePlan(), notes)
     assert gpus is not None
     assert gpus.offered_indices == (0,)
     assert gpus.devices[1].usable and not gpus.devices[1].healthy
@@ -74,7 +74,7 @@ def test_a_box_whose_only_card_is_sick_stops_permanently_naming_the_card_and_the
     sick, words, fix = SICK[case]
     nvml_box([sick, sick])
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), [])
+        gate.check(gate.GatePlan(), [])
     fail = failed.value
     assert fail.permanent and fail.reason == "gpu.unhealthy"
     assert fail.message.startswith("GPU gate: no healthy GPU: GPU 0 (NVIDIA GeForce RTX 3090): ")
@@ -86,7 +86,7 @@ def test_a_box_whose_only_card_is_sick_stops_permanently_naming_the_card_and_the
 def test_each_sick_card_is_named_with_its_own_trouble(nvml_box):
     nvml_box([FakeGpu(remap=(0, 1, 1, 0)), FakeGpu(compute=COMPUTE_PROHIBITED), FakeGpu(fail=GPU_IS_LOST)])
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), [])
+        gate.check(gate.GatePlan(), [])
     message = failed.value.message
     zero, one, two = message.split("; GPU ")[:3]
     assert "a row remap is pending" in zero and "Prohibited" not in zero
@@ -98,7 +98,7 @@ def test_each_sick_card_is_named_with_its_own_trouble(nvml_box):
 def test_a_card_masked_out_is_named_healthy_but_masked_when_the_chosen_one_is_sick(nvml_box):
     nvml_box([FakeGpu(), FakeGpu(ecc=1)])
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(devices=(1,)), [])
+        gate.check(gate.GatePlan(devices=(1,)), [])
     assert failed.value.reason == "gpu.unhealthy"
     assert "GPU 0 (NVIDIA GeForce RTX 3090) is healthy but masked by devices" in failed.value.message
     assert "1 uncorrectable ECC error since the driver loaded" in failed.value.message
@@ -107,7 +107,7 @@ def test_a_card_masked_out_is_named_healthy_but_masked_when_the_chosen_one_is_si
 def test_a_fabric_still_being_set_up_on_every_card_is_transient(nvml_box):
     nvml_box([FakeGpu(fabric=(FABRIC_IN_PROGRESS, 0)), FakeGpu(fabric=(FABRIC_NOT_STARTED, 0))])
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), [])
+        gate.check(gate.GatePlan(), [])
     fail = failed.value
     assert not fail.permanent and fail.reason == "gpu.fabric-not-ready"
     assert "NVLink fabric registration is in progress" in fail.message
@@ -118,7 +118,7 @@ def test_a_fabric_still_being_set_up_on_every_card_is_transient(nvml_box):
 def test_a_card_whose_fabric_is_not_ready_beside_a_registered_one_is_left_out_with_a_note(nvml_box):
     nvml_box([H100, FakeGpu(fabric=(FABRIC_IN_PROGRESS, 0))])
     notes: list[str] = []
-    gpus = gate.check(PrepareSpec(), notes)
+    gpus = gate.check(gate.GatePlan(), notes)
     assert gpus is not None and gpus.offered_indices == (0,)
     assert any(n.startswith("GPU 1 ") and "is not ready and will not be offered" in n for n in notes), notes
 
@@ -126,14 +126,14 @@ def test_a_card_whose_fabric_is_not_ready_beside_a_registered_one_is_left_out_wi
 def test_a_sick_card_and_one_still_setting_up_its_fabric_make_the_box_wait_not_stop(nvml_box):
     nvml_box([FakeGpu(ecc=2), FakeGpu(fabric=(FABRIC_IN_PROGRESS, 0))])
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(), [])
+        gate.check(gate.GatePlan(), [])
     assert not failed.value.permanent and failed.value.reason == "gpu.fabric-not-ready"
     assert "2 uncorrectable ECC errors" in failed.value.message
 
 
 def test_an_hgx_box_with_its_fabric_registered_offers_every_card(nvml_box):
     nvml_box(hgx_h100(8))
-    gpus = gate.check(PrepareSpec(), [])
+    gpus = gate.check(gate.GatePlan(), [])
     assert gpus is not None and gpus.offered_indices == tuple(range(8))
     fabric = {c.name: c for c in gpus.devices[0].health}["fabric"]
     # The fake leaves the padding after the one-byte state dirty, as a
@@ -143,7 +143,7 @@ def test_an_hgx_box_with_its_fabric_registered_offers_every_card(nvml_box):
 
 def test_a_card_that_reports_none_of_the_health_queries_is_healthy_and_offered(nvml_box):
     nvml_box([FakeGpu(unsupported=HEALTH_QUERIES)])
-    gpus = gate.check(PrepareSpec(), [])
+    gpus = gate.check(gate.GatePlan(), [])
     assert gpus is not None and gpus.offered_indices == (0,)
     states = {c.name: c.state for c in gpus.devices[0].health}
     assert states == dict.fromkeys(["row remapping", "retired pages", "ECC", "fabric", "compute mode"], "unknown")
@@ -151,7 +151,7 @@ def test_a_card_that_reports_none_of_the_health_queries_is_healthy_and_offered(n
 
 def test_a_card_without_a_fabric_is_healthy(nvml_box):
     nvml_box([FakeGpu(), FakeGpu(fabric=(FABRIC_NOT_SUPPORTED, 0))])
-    gpus = gate.check(PrepareSpec(), [])
+    gpus = gate.check(gate.GatePlan(), [])
     assert gpus is not None and gpus.offered_indices == (0, 1)
     details = [{c.name: c.detail for c in d.health}["fabric"] for d in gpus.devices]
     assert details == ["fabric: not reported by this card or driver", "not part of an NVLink fabric"]
@@ -160,14 +160,14 @@ def test_a_card_without_a_fabric_is_healthy(nvml_box):
 def test_a_driver_without_the_versioned_fabric_call_is_asked_the_original_one(nvml_box):
     nvml_box([FakeGpu(fabric=(FABRIC_IN_PROGRESS, 0), fail=FUNCTION_NOT_FOUND, fail_on="fabricv"), H100])
     notes: list[str] = []
-    gpus = gate.check(PrepareSpec(), notes)
+    gpus = gate.check(gate.GatePlan(), notes)
     assert gpus is not None and gpus.offered_indices == (1,)
     assert {c.name: c.state for c in gpus.devices[0].health}["fabric"] == "not-ready"
 
 
 def test_exclusive_process_mode_is_healthy(nvml_box):
     nvml_box([FakeGpu(compute=COMPUTE_EXCLUSIVE_PROCESS)])
-    gpus = gate.check(PrepareSpec(), [])
+    gpus = gate.check(gate.GatePlan(), [])
     assert gpus is not None and gpus.offered_indices == (0,)
     assert {c.name: c.detail for c in gpus.devices[0].health}["compute mode"] == "compute mode Exclusive_Process"
 
@@ -175,7 +175,7 @@ def test_exclusive_process_mode_is_healthy(nvml_box):
 def test_an_error_reading_a_check_leaves_it_unknown_but_a_lost_gpu_is_unusable(nvml_box):
     nvml_box([FakeGpu(fail=UNKNOWN, fail_on="ecc"), FakeGpu(fail=GPU_IS_LOST, fail_on="remap")])
     notes: list[str] = []
-    gpus = gate.check(PrepareSpec(), notes)
+    gpus = gate.check(gate.GatePlan(), notes)
     assert gpus is not None and gpus.offered_indices == (0,)
     ecc = {c.name: c for c in gpus.devices[0].health}["ECC"]
     assert ecc.state == "unknown" and "could not be read" in ecc.detail and "error 999" in ecc.detail
@@ -193,7 +193,7 @@ def test_prepare_offers_the_run_only_the_healthy_cards(nvml_box):
 
 def test_the_json_survey_carries_each_cards_health(nvml_box):
     nvml_box([FakeGpu(), FakeGpu(compute=COMPUTE_PROHIBITED)])
-    data = json.loads(json.dumps(gate.check(PrepareSpec(), []).to_json()))  # type: ignore[union-attr]
+    data = json.loads(json.dumps(gate.check(gate.GatePlan(), []).to_json()))  # type: ignore[union-attr]
     assert data["offered"] == [0]
     assert [h["index"] for h in data["health"]] == [0, 1]
     assert data["health"][0]["healthy"] is True and data["health"][1]["healthy"] is False
@@ -246,7 +246,7 @@ def test_gpus_json_on_a_box_of_sick_cards_is_the_survey_not_a_failure(fake_nvml)
 def test_a_box_with_a_card_fallen_off_the_bus_fails_expect_gpus_naming_the_missing_index(nvml_box):
     nvml_box(hgx_h100(7))
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(expect_gpus=8), [])
+        gate.check(gate.GatePlan(expect_gpus=8), [])
     fail = failed.value
     assert fail.permanent and fail.reason == "gpu.expected-missing"
     assert fail.message.startswith(
@@ -262,7 +262,7 @@ def test_expect_gpus_names_a_sick_card_with_its_fix_and_a_lost_one(nvml_box):
     cards[3] = FakeGpu(fail=GPU_IS_LOST)
     nvml_box(cards)
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(expect_gpus=4), [])
+        gate.check(gate.GatePlan(expect_gpus=4), [])
     message = failed.value.message
     assert "offers 2 healthy NVIDIA GPUs (0, 2): GPU 1 (NVIDIA H100 80GB HBM3): a row remap is pending" in message
     assert "nvidia-smi -r -i 1" in message
@@ -272,7 +272,7 @@ def test_expect_gpus_names_a_sick_card_with_its_fix_and_a_lost_one(nvml_box):
 def test_expect_gpus_counts_what_the_masks_leave(nvml_box):
     nvml_box(hgx_h100(2))
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(expect_gpus=2, devices=(0,)), [])
+        gate.check(gate.GatePlan(expect_gpus=2, devices=(0,)), [])
     assert failed.value.reason == "gpu.expected-missing"
     assert "GPU 1 (NVIDIA H100 80GB HBM3) is masked by devices" in failed.value.message
 
@@ -282,29 +282,29 @@ def test_expect_gpus_short_only_by_cards_setting_up_their_fabric_is_transient(nv
     cards[1] = FakeGpu(name="NVIDIA H100 80GB HBM3", capability=(9, 0), fabric=(FABRIC_IN_PROGRESS, 0))
     nvml_box(cards)
     with pytest.raises(Fail) as failed:
-        gate.check(PrepareSpec(expect_gpus=2), [])
+        gate.check(gate.GatePlan(expect_gpus=2), [])
     assert not failed.value.permanent and failed.value.reason == "gpu.fabric-not-ready"
     assert "next attempt" in failed.value.message
 
 
 def test_expect_gpus_met_passes_and_offers_them(nvml_box):
     nvml_box(hgx_h100(8))
-    gpus = gate.check(PrepareSpec(expect_gpus=8), [])
+    gpus = gate.check(gate.GatePlan(expect_gpus=8), [])
     assert gpus is not None and len(gpus.offered) == 8
 
 
 def test_expect_gpus_with_cpu_only_is_noted_as_ignored():
     notes: list[str] = []
-    assert gate.check(PrepareSpec(cpu_only=True, expect_gpus=8), notes) is None
+    assert gate.check(gate.GatePlan(cpu_only=True, expect_gpus=8), notes) is None
     assert any("expect_gpus (8) is ignored with cpu_only" in n for n in notes), notes
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "8", 1.5])
 def test_expect_gpus_must_be_a_count_from_one(value):
-    from prepare import config
+    from prepare.plan import plan
 
     with pytest.raises(Fail) as failed:
-        config.check_spec(PrepareSpec(expect_gpus=value))
+        plan(PrepareSpec(expect_gpus=value))
     assert failed.value.reason == "config.invalid" and "expect_gpus" in failed.value.message
 
 

@@ -6,7 +6,7 @@ import pwd
 
 import pytest
 
-from prepare import human
+from prepare.host import human
 
 
 @pytest.mark.parametrize(

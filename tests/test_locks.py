@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from prepare import locks
-from prepare.fail import Fail, permanent
+from prepare.fail import Fail
+from prepare.host import locks
 
 
 def _unopenable(err: OSError) -> Fail:
-    return permanent(f"cannot open the test lock: {err.strerror}", reason="dirs.unwritable")
+    return Fail("dirs.unwritable", f"cannot open the test lock: {err.strerror}")
 
 
 def _taken_elsewhere(path: str) -> bool:

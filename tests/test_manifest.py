@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from prepare.build.manifest import FILENAME, Manifest, age, check_box, merge, notes_for, parse, read
 from prepare.fail import Fail
-from prepare.manifest import FILENAME, Manifest, age, check_box, merge, notes_for, parse, read
 from prepare.spec import SourceSpec
 
 URL = "git+https://git.example/train?ref=main"
@@ -218,7 +218,7 @@ def test_a_manifest_larger_than_any_manifest_is_transient(tmp_path):
 
 
 def test_a_cwd_that_leads_out_of_the_tree_through_a_symlink_is_permanent(tmp_path):
-    from prepare.manifest import check_tree
+    from prepare.build.manifest import check_tree
 
     tree = tmp_path / "tree"
     (tree / "inside").mkdir(parents=True)

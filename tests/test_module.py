@@ -30,9 +30,9 @@ import pytest
 from module_fixtures import NIX_CONFIG, REPO, EvalError
 
 from prepare import config as prepare_config
-from prepare import fields_json
 from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT, EXIT_USAGE
-from prepare.fields import TABLE
+from prepare.config import fields_json
+from prepare.config.fields import TABLE
 
 FIELDS_JSON = REPO / "nix" / "fields.json"
 
@@ -263,7 +263,7 @@ def test_the_modules_typed_settings_are_the_field_tables_with_its_types(evaluate
 def test_the_committed_fields_json_is_what_the_field_table_exports_now():
     committed = FIELDS_JSON.read_text()
     assert committed == fields_json.render(), (
-        f"nix/fields.json differs from prepare/fields.py's table; regenerate it: `{fields_json.COMMAND}` "
+        f"nix/fields.json differs from prepare/config/fields.py's table; regenerate it: `{fields_json.COMMAND}` "
         "(from the repository root, with the package's Python)"
     )
     exported = json.loads(committed)

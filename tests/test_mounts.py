@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from prepare import mounts
+from prepare.host import mounts
 
 SSHFS_LINE = (
     "512 27 0:77 / /flodl/data ro,nosuid,nodev,relatime shared:301 master:4 - fuse.sshfs "

@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, nix_as, require_nix, trainer
+from nix_fixtures import NIX_CONFIG, build, nix_as, require_nix, trainer
 
-from prepare import nix as nix_mod
-from prepare.build import build
 from prepare.fail import Fail
-from prepare.nix import Nix, parse_nix_version
-from prepare.nix_diagnosis import BUILD, EVALUATION, FETCH, diagnose, failure
-from prepare.nix_log import Log
+from prepare.nix import runner as nix_mod
+from prepare.nix.diagnosis import BUILD, EVALUATION, FETCH, diagnose, failure
+from prepare.nix.log import Log
+from prepare.nix.runner import Nix, parse_nix_version
 from prepare.spec import PrepareSpec, SourceSpec
 
 
@@ -123,7 +122,7 @@ exec {real} "$@"
     spec = PrepareSpec(
         source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(state)
     )
-    build(spec, None, [], nix_program=shim)
+    build(spec, [], nix_program=shim)
     argvs = [json.loads(line) for line in calls.read_text().splitlines()]
     subcommands = [next(a for a in argv if a in ("eval", "flake", "build", "--version")) for argv in argvs]
     # The flake resolved (no evaluation), its variants evaluated, the source
@@ -397,7 +396,7 @@ def test_an_unreachable_daemon_socket_is_transient(nix_env, test_flake, tmp_path
     try:
         monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = unix://{sock_path}\n")
         with pytest.raises(Fail) as caught:
-            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None, [])
+            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), [])
     finally:
         dead.close()
     assert not caught.value.permanent
@@ -452,7 +451,7 @@ def test_a_full_store_is_permanent_whichever_step_finds_it_full(
         state_dir=str(tmp_path / "state"),
     )
     with pytest.raises(Fail) as caught:
-        build(spec, None, [])
+        build(spec, [])
     assert (caught.value.reason, caught.value.permanent) == ("nix.no-space", True), caught.value.message
     assert "nix-collect-garbage" in caught.value.message.split("Fix:")[1]
 
@@ -536,7 +535,7 @@ def test_a_daemon_that_drops_the_connection_is_still_the_daemon(nix_env, test_fl
     try:
         monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"store = unix://{sock_path}\n")
         with pytest.raises(Fail) as caught:
-            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), None, [])
+            build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")), [])
     finally:
         listener.shutdown(socket.SHUT_RDWR)
         listener.close()
@@ -551,7 +550,7 @@ def test_a_source_download_reset_by_the_peer_is_a_transient_fetch(nix_env, test_
         source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "state")
     )
     with pytest.raises(Fail) as caught:
-        build(spec, None, [])
+        build(spec, [])
     assert not caught.value.permanent
     assert url in caught.value.message and "source.from" in caught.value.message
     fix = caught.value.message.split("Fix:")[1]
@@ -573,7 +572,7 @@ def test_an_input_fetch_failing_while_the_flake_is_evaluated_says_retry_not_fix_
     )
     Path(flake.removeprefix("path:"), "flake.lock").unlink()
     with pytest.raises(Fail) as caught:
-        build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")), None, [])
+        build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")), [])
     assert not caught.value.permanent
     assert "unable to download" in caught.value.message
     fix = caught.value.message.split("Fix:")[1]
@@ -624,7 +623,7 @@ def test_a_source_url_nix_cannot_parse_is_permanent_and_names_source_from(nix_en
         source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "state")
     )
     with pytest.raises(Fail) as caught:
-        build(spec, None, [], progress=events.append)
+        build(spec, [], progress=events.append)
     assert (caught.value.reason, caught.value.permanent) == ("nix.bad-url", True), caught.value.message
     assert any(words in caught.value.message for words in said) and url in caught.value.message
     assert "is not a valid URL" in caught.value.message
@@ -640,7 +639,7 @@ def test_a_flake_url_nix_cannot_parse_is_permanent_and_says_to_correct_it(nix_en
     quotes), 2.8 calls it invalid: the same refusal, not an evaluation error
     that sends the operator to the contract."""
     with pytest.raises(Fail) as caught:
-        build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")), None, [])
+        build(PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state")), [])
     assert (caught.value.reason, caught.value.permanent) == ("nix.bad-url", True), caught.value.message
     assert flake in caught.value.message and "is not a valid URL" in caught.value.message
     fix = caught.value.message.split("Fix:")[1]
@@ -727,7 +726,7 @@ def test_a_git_ssh_source_whose_host_key_ssh_does_not_know_is_permanent_naming_s
         source=SourceSpec(from_=url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(tmp_path / "s")
     )
     with pytest.raises(Fail) as caught:
-        build(spec, None, [])
+        build(spec, [])
     fail = caught.value
     assert fail.permanent and fail.reason == "nix.host-key", fail.message
     assert "Host key verification failed" in fail.message
@@ -735,7 +734,7 @@ def test_a_git_ssh_source_whose_host_key_ssh_does_not_know_is_permanent_naming_s
     # With the key recorded, the same source fetches.
     scan = subprocess.run(["ssh-keyscan", "-p", str(sshd.port), sshd.host], capture_output=True, text=True)
     known.write_text(scan.stdout)
-    assert build(spec, None, []).bin is not None
+    assert build(spec, []).bin is not None
 
 
 def test_a_nix_command_line_the_kernel_refuses_is_permanent_naming_the_limits_not_nix_missing(tmp_path):

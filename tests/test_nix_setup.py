@@ -16,12 +16,11 @@ from pathlib import Path
 
 import nix_fixtures
 import pytest
-from nix_fixtures import NIX_CONFIG, SANDBOX_LENT, nix_daemon_client, sandbox_paths, trainer
+from nix_fixtures import NIX_CONFIG, SANDBOX_LENT, build, nix_daemon_client, sandbox_paths, trainer
 
-from prepare import nix as nix_mod
-from prepare.build import build
 from prepare.fail import Fail
-from prepare.nix import Nix, build_result
+from prepare.nix import runner as nix_mod
+from prepare.nix.runner import Nix, build_result
 from prepare.spec import PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
@@ -56,7 +55,7 @@ def test_a_build_users_group_that_does_not_exist_is_permanent_and_names_the_inst
     src = git_source(trainer(nonce=_nonce()))
     spec = _cpu_spec(test_flake, src.url, tmp_path)
     with pytest.raises(Fail) as caught:
-        build(spec, None, [])
+        build(spec, [])
     fail = caught.value
     assert fail.permanent
     assert "'fdl-no-such-group' specified in 'build-users-group' does not exist" in fail.message
@@ -87,7 +86,7 @@ def test_a_stage_the_build_users_cannot_enter_still_builds(nix_env, test_flake, 
         monkeypatch.setenv("TMPDIR", str(stage))
         src = git_source(trainer(nonce=_nonce()))
         notes: list[str] = []
-        got = build(_cpu_spec(test_flake, src.url, tmp_path), None, notes)
+        got = build(_cpu_spec(test_flake, src.url, tmp_path), notes)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     assert got.bin is not None and os.access(got.bin.path, os.X_OK)
@@ -105,7 +104,7 @@ def test_an_enterable_stage_is_left_as_it_is():
 # hidden by them.
 _NO_ENTERABLE_TMP = """
 import os, subprocess, sys
-from prepare import nix
+from prepare.nix import runner as nix
 from prepare.fail import Fail
 for d in ("/tmp", "/var/tmp"):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "tmpfs", d], check=True)
@@ -126,7 +125,7 @@ def test_a_box_where_no_temporary_directory_is_enterable_is_refused_before_any_b
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _NO_ENTERABLE_TMP],
         capture_output=True, text=True, timeout=60, check=False,
-        env={**os.environ, "PYTHONPATH": str(Path(nix_mod.__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(nix_mod.__file__).resolve().parents[2])},
     )  # fmt: skip
     if done.returncode != 0 and "mount" in done.stderr:
         pytest.skip(f"cannot make a private mount namespace here: {done.stderr.strip()[-300:]}")
@@ -154,7 +153,7 @@ def test_a_flake_build_that_cannot_find_its_tools_in_the_sandbox_blames_the_flak
     )
     monkeypatch.setenv("NIX_CONFIG", NIX_CONFIG + f"sandbox = true\nsandbox-paths = {' '.join(lent)}\n")
     with pytest.raises(Fail) as caught:
-        build(PrepareSpec(libtorch=label, cpu_only=False, flake=flake, state_dir=str(tmp_path / "state")), None, [])
+        build(PrepareSpec(libtorch=label, cpu_only=False, flake=flake, state_dir=str(tmp_path / "state")), [])
     fail = caught.value
     assert fail.permanent
     assert f"fdl-test-libtorch-{label}" in fail.message
@@ -208,7 +207,7 @@ def test_a_failing_training_build_still_blames_the_training_source(nix_env, test
     src = git_source(trainer(build="echo no compiler here >&2; exit 4", nonce=_nonce()))
     spec = _cpu_spec(test_flake, src.url, tmp_path)
     with pytest.raises(Fail) as caught:
-        build(spec, None, [])
+        build(spec, [])
     assert not caught.value.permanent
     assert "fix the training source" in _fix(caught.value)
 

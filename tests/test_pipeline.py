@@ -4,11 +4,13 @@ load-bearing order."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from prepare import DataSpec, Fail, PrepareSpec, SourceSpec, SshSpec, prepare
+from prepare.plan import plan
 
 
 @pytest.fixture
@@ -77,43 +79,90 @@ def test_a_well_formed_cpu_only_spec_runs_the_cheap_steps_in_order(box: Path) ->
     assert (box / "home" / ".flodl" / "data").is_dir()
 
 
-def test_a_spec_from_code_with_cpu_only_and_a_cuda_libtorch_is_refused_before_any_step_runs(
-    box: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from prepare import build
+class Reached(Exception):
+    """A step was started: what it got is all the test reads."""
 
-    builds: list[PrepareSpec] = []
-    monkeypatch.setattr(build, "build", lambda spec, *args, **kwargs: builds.append(spec))
+
+def test_a_spec_from_code_with_cpu_only_and_a_cuda_libtorch_is_refused_before_any_step_runs(box: Path) -> None:
+    from prepare import pipeline
+
+    steps_run: list[str] = []
+    steps = [replace_run(step, steps_run) for step in pipeline.STEPS]
     state = box / "state"
     notes: list[str] = []
+    spec = PrepareSpec(cpu_only=True, libtorch="cu128", flake="path:/srv/fdl", state_dir=str(state))
     with pytest.raises(Fail) as caught:
-        prepare(PrepareSpec(cpu_only=True, libtorch="cu128", flake="path:/srv/fdl", state_dir=str(state)), notes)
-    assert caught.value.permanent
+        pipeline.run(plan(spec), notes, steps=steps)
+    assert caught.value.reason == "config.invalid"
     message = caught.value.message
     assert "PrepareSpec.cpu_only" in message and "PrepareSpec.libtorch" in message and '"cu128"' in message
     assert 'set libtorch to "cpu" or "auto"' in message
-    # No step ran: no note from the gate, no build (so no nix call), no state directory.
-    assert notes == [] and builds == [] and not state.exists()
-
-
-def test_a_source_url_from_code_reaches_the_build_without_surrounding_spaces(
-    box: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from prepare import build
-
-    builds: list[PrepareSpec] = []
-
-    class Reached(Exception):
-        """Steps 4 and 5 were started: what they got is all this test reads."""
-
-    def fake_start(spec: PrepareSpec, *args: object, **kwargs: object) -> build.Session:
-        builds.append(spec)
-        raise Reached
-
-    monkeypatch.setattr(build, "start", fake_start)
-    spec = PrepareSpec(cpu_only=True, libtorch="cpu", flake=" path:/srv/fdl ", source=SourceSpec(from_=" path:/srv/x "))
+    # No step ran: not the gate (no note), not step 4 (no state directory,
+    # so no nix call).
+    assert steps_run == [] and notes == [] and not state.exists()
+    # And the same spec, fixed, reaches the steps in their order.
     with pytest.raises(Reached):
-        prepare(spec, [])
-    (built,) = builds
-    assert built.source is not None and built.source.from_ == "path:/srv/x"
-    assert built.flake == "path:/srv/fdl"
+        pipeline.run(plan(dataclasses.replace(spec, libtorch="cpu")), notes, steps=steps)
+    assert steps_run == ["gate"]
+
+
+def replace_run(step, seen: list[str]):
+    """`step` with its run replaced by one that records it and stops there."""
+
+    def run(attempt):
+        seen.append(step.name)
+        raise Reached(step.name)
+
+    return dataclasses.replace(step, run=run)
+
+
+def test_a_source_url_from_code_reaches_the_build_without_surrounding_spaces(box: Path) -> None:
+    spec = PrepareSpec(cpu_only=True, libtorch="cpu", flake=" path:/srv/fdl ", source=SourceSpec(from_=" path:/srv/x "))
+    got = plan(spec).build
+    # What steps 4 to 7 are given: the URLs as Nix gets them.
+    assert got is not None and got.source is not None and got.source.from_ == "path:/srv/x"
+    assert got.flake == "path:/srv/fdl"
+
+
+# -- a pure spec error is reported before any step runs -------------------------------------------
+
+NO_REF = SourceSpec(from_="git+https://h/r")
+
+
+def test_a_source_with_no_ref_is_refused_before_the_data_root_is_looked_at(box: Path) -> None:
+    notes: list[str] = []
+    spec = PrepareSpec(
+        cpu_only=True,
+        libtorch="cpu",
+        flake="path:/srv/fdl",
+        state_dir=str(box / "state"),
+        data=DataSpec(data_path=str(box / "no-such-root")),
+        source=NO_REF,
+    )
+    with pytest.raises(Fail) as caught:
+        prepare(spec, notes)
+    # The source's error, not the data root's (data.root-unusable), and no
+    # step ran: the gate said nothing, the state directory was not made.
+    assert caught.value.reason == "config.invalid"
+    assert "source.from = 'git+https://h/r' names no ref or rev" in caught.value.message
+    assert notes == [] and not (box / "state").exists()
+
+
+@pytest.mark.sshfs
+def test_a_source_with_no_ref_is_refused_before_an_sshfs_source_is_mounted(
+    box: Path, sshd, sshfs_mounts, remote_tree: Path
+) -> None:
+    from dataclasses import replace
+
+    from prepare.host import mounts
+
+    point = sshfs_mounts.track(box / "dataset")
+    spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point))
+    spec = replace(spec, libtorch="cpu", flake="path:/srv/fdl", state_dir=str(box / "state"), source=NO_REF)
+    notes: list[str] = []
+    with pytest.raises(Fail) as caught:
+        prepare(spec, notes)
+    assert caught.value.reason == "config.invalid" and "names no ref or rev" in caught.value.message
+    # Nothing was mounted, nor the mountpoint made.
+    assert mounts.mounted_at(str(point)) is None and not point.exists()
+    assert notes == []

@@ -1,4 +1,4 @@
-"""prepare/proc.py, the one seam every program goes through, with real
+"""prepare/host/proc.py, the one seam every program goes through, with real
 programs: output and exit status, timeouts that reach grandchildren, deaths
 by signal, a program that is not there, and a grandchild that keeps the
 pipes open after its parent is gone. Parent-death kills are in
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from nix_fixtures import procs_with
 
-from prepare import proc
+from prepare.host import proc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,7 +66,7 @@ def test_stdout_past_the_callers_cap_keeps_its_end_and_says_how_much_went():
 
 GIGABYTE = """
 import resource, sys
-from prepare import proc
+from prepare.host import proc
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 lines = []
 done = proc.run(["sh", "-c", sys.argv[1]], on_stderr_line=lines.append, max_stdout=1 << 16)

@@ -9,10 +9,9 @@ import select
 import time
 
 import pytest
-from nix_fixtures import trainer
+from nix_fixtures import build, trainer
 
-from prepare import progress
-from prepare.build import build
+from prepare.cli import progress
 from prepare.spec import PrepareSpec, SourceSpec
 
 EVENTS = [
@@ -135,7 +134,7 @@ def test_a_real_build_prints_its_start_and_finish_off_a_terminal(nix_env, test_f
     spec = PrepareSpec(
         source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=state_dir
     )
-    build(spec, None, [], progress=progress.renderer(out))
+    build(spec, [], progress=progress.renderer(out))
     lines = out.getvalue().splitlines()
     assert "fdl-prepare: building fdl-test-training-cpu" in lines
     assert any(line.startswith("fdl-prepare: built fdl-test-training-cpu (") for line in lines)

@@ -1,4 +1,4 @@
-"""No secret goes out (prepare/redact.py): a credential in a URL is refused
+"""No secret goes out (prepare/host/redact.py): a credential in a URL is refused
 in the box's own settings before it can reach a command line, and hidden in
 everything fdl-prepare prints, whoever wrote the text; key material pasted
 where a key's path belongs is never quoted back."""
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 from console import fdl_prepare
 
-from prepare import config, progress
+from prepare import config
+from prepare.cli import progress
 from prepare.fail import Fail
+from prepare.host.redact import credentials, redact
 from prepare.notes import print_notes
-from prepare.redact import credentials, redact
 
 TOKEN = "ghp_s3cr3tT0ken"
 
@@ -168,14 +169,15 @@ def test_a_credential_nix_itself_quotes_from_a_flakes_own_input_is_hidden(nix_en
             "outputs = { self, private }: { }; }\n"
         )
     )
-    from prepare import build as build_mod
+    from nix_fixtures import build
+
     from prepare.spec import PrepareSpec
 
     events = io.StringIO()
     notes: list[str] = []
     spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake=flake, state_dir=str(tmp_path / "state"))
     with pytest.raises(Fail) as caught:
-        build_mod.build(spec, None, notes, progress=progress.renderer(events, live=False))
+        build(spec, notes, progress=progress.renderer(events, live=False))
     said = caught.value.message + "\n".join(notes) + events.getvalue()
     # Nix's own error quotes the URL it could not download, token and all.
     assert "http://***@127.0.0.1:1/private.tar.gz" in caught.value.message

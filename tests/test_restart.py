@@ -1,4 +1,4 @@
-"""The dataset mount outlives a restart of the unit (prepare/mount.py runs
+"""The dataset mount outlives a restart of the unit (prepare/data/mount.py runs
 sshfs in a transient scope of its own under systemd).
 
 `systemctl restart` kills every process left in the unit's cgroup, the

@@ -1,5 +1,5 @@
 """Children die with fdl-prepare, even on SIGKILL, when no handler of ours
-runs (prepare/proc.py asks the kernel for PR_SET_PDEATHSIG in each child).
+runs (prepare/host/proc.py asks the kernel for PR_SET_PDEATHSIG in each child).
 SIGINT and SIGTERM are in tests/test_cli.py and tests/test_build.py."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
+from nix_fixtures import NIX_CONFIG, build, manifest_text, procs_with, trainer
 
-from prepare import proc
+from prepare.host import proc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,7 +40,7 @@ def _wait_gone(text: str, seconds: float) -> bool:
 
 def test_a_child_dies_when_its_caller_is_sigkilled(tmp_path):
     marker = f"{time.time_ns() % 100000 + 300}.{os.getpid()}"
-    code = f"from prepare import proc\nproc.run(['sleep', '{marker}'])\n"
+    code = f"from prepare.host import proc\nproc.run(['sleep', '{marker}'])\n"
     caller = subprocess.Popen([sys.executable, "-c", code], cwd=str(REPO))
     try:
         deadline = time.monotonic() + 30
@@ -59,22 +59,21 @@ def test_a_child_dies_when_its_caller_is_sigkilled(tmp_path):
 def test_a_sigkilled_prepare_leaves_no_nix_to_rewrite_the_out_links(nix_env, test_flake, state_dir, git_source):
     # The issue's case: fdl-prepare SIGKILLed mid-build orphaned nix, which
     # later rewrote the out-links with the state lock long released.
-    from prepare import build as build_mod
     from prepare.spec import PrepareSpec, SourceSpec
 
     src = git_source(trainer())
     s = PrepareSpec(
         source=SourceSpec(from_=src.url), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=state_dir
     )
-    build_mod.build(s, None, [])
+    build(s, [])
     roots = os.path.join(state_dir, "gcroots")
     before = {n: os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
 
     # A build that takes a few seconds: long enough to be killed in, short
     # enough to see that nothing writes the links once it would have ended.
     marker = f"4.{os.getpid()}{time.time_ns() % 1000}"
-    build = f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
-    src.commit({".fdl-run.toml": manifest_text(bin="train", build=build)}, "slow build")
+    slow = f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
+    src.commit({".fdl-run.toml": manifest_text(bin="train", build=slow)}, "slow build")
     argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake]
     argv += ["--source", src.url, "--state-dir", state_dir]
     child = subprocess.Popen(

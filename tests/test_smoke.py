@@ -141,8 +141,16 @@ def test_smoke_arguments_the_kernel_refuses_are_transient_not_a_missing_binary(p
 
 
 def test_the_binary_runs_in_its_cwd_with_the_arguments_given(public):
-    binary = script(public / "train", '[ "$(pwd)" = "$1" ] && [ "$2" = "two words" ]\n')
-    smoke.run(binary, [str(public), "two words"], 30, [])
+    # The binary writes down where it ran and what it was given; the test
+    # reads that back, so a run in another directory or with the arguments
+    # split differently is seen, not only a non-zero exit.
+    seen = public / "seen"
+    seen.mkdir(mode=0o1777)
+    seen.chmod(0o1777)  # the run may not be root: a place it can write
+    seen = seen / "where"
+    binary = script(public / "train", 'pwd > "$1"; printf "%s\\n" "$#" "$2" >> "$1"\n')
+    smoke.run(binary, [str(seen), "two words"], 30, [])
+    assert seen.read_text().splitlines() == [str(public), "2", "two words"]
 
 
 # -- the training source's code, run as the training would ------------------------------------
@@ -527,7 +535,7 @@ def test_the_manifests_smoke_outranks_the_boxs_and_an_empty_one_runs_nothing(
 
 
 def test_a_manifests_smoke_is_a_list_of_strings_and_a_bad_one_waits_for_the_next_publish():
-    from prepare import manifest
+    from prepare.build import manifest
 
     assert manifest.parse('bin = "train"\nsmoke = ["--smoke", "--steps", "1"]\n').smoke == ("--smoke", "--steps", "1")
     with pytest.raises(Fail) as failed:
@@ -537,7 +545,7 @@ def test_a_manifests_smoke_is_a_list_of_strings_and_a_bad_one_waits_for_the_next
 
 
 def test_the_recipe_takes_the_manifests_smoke_else_the_boxs():
-    from prepare import manifest
+    from prepare.build import manifest
 
     box = SourceSpec(from_="path:/x", bin="train", smoke=("--box",))
     assert manifest.merge(box, manifest.parse("smoke = []\n"), "path:/x").smoke == ()

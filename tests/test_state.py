@@ -1,8 +1,8 @@
-"""The state directory root writes and removes in (prepare/state.py): every
+"""The state directory root writes and removes in (prepare/host/state.py): every
 entry of ours is opened without following a link, is of the type we keep
 and is owned by this user, and anything else is a permanent Fail naming the
 entry and the fix, before anything is written. Real directories, links and
-a full tmpfs; the build's own entry point (`build.start`) finds them."""
+a full tmpfs; the pipeline's step 4 (prepare.build.workspace) finds them."""
 
 from __future__ import annotations
 
@@ -13,19 +13,25 @@ import stat
 from pathlib import Path
 
 import pytest
+from nix_fixtures import build
 
-from prepare import build as build_mod
-from prepare import outputs, state
+from prepare.build import outputs
 from prepare.fail import Fail
+from prepare.host import state
 from prepare.spec import PrepareSpec
 
 
-def start_fail(state_dir: Path) -> Fail:
-    """What starting steps 4 and 5 says about `state_dir`: it is vetted
-    before the first nix call, so no Nix is needed to see it."""
+def open_state(state_dir: Path) -> None:
+    """Step 4 alone on `state_dir`, run and closed by the pipeline's executor."""
     spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake="path:/srv/fdl-prepare", state_dir=str(state_dir))
+    build(spec, [], steps=("state",))
+
+
+def start_fail(state_dir: Path) -> Fail:
+    """What step 4 says about `state_dir`: it is vetted before the first nix
+    call, so no Nix is needed to see it."""
     with pytest.raises(Fail) as caught:
-        build_mod.start(spec, [])
+        open_state(state_dir)
     return caught.value
 
 
@@ -77,7 +83,7 @@ def test_a_state_entry_that_is_a_symlink_is_refused_and_its_target_left_alone(tm
 
 
 def test_a_warm_record_that_is_a_symlink_is_only_ever_replaced(tmp_path, victim):
-    # prepare.record reads it with O_NOFOLLOW and renames a new file over it:
+    # prepare.build.record reads it with O_NOFOLLOW and renames a new file over it:
     # a link there is a missing record, not a refusal (tests/test_warm.py).
     state_dir = tmp_path / "state"
     state_dir.mkdir()
@@ -198,9 +204,8 @@ def test_a_temporary_file_a_killed_write_left_is_removed_and_any_other_hidden_fi
     # What an earlier version named one.
     older = state_dir / "recipe.json.4242.tmp"
     older.write_text("{")
-    spec = PrepareSpec(libtorch="cpu", cpu_only=True, flake="path:/srv/fdl-prepare", state_dir=str(state_dir))
     with contextlib.suppress(Fail):
-        build_mod.start(spec, []).__exit__(None, None, None)
+        open_state(state_dir)
     assert not left.exists() and not older.exists()
     (state_dir / ".bashrc").write_text("")
     assert "(.bashrc)" in start_fail(state_dir).message
@@ -271,7 +276,7 @@ def test_a_users_own_group_writable_state_directory_is_theirs_but_one_others_may
             state_dir.chmod(mode)
             os.chown(state_dir, 54321, 54321)
             code = (
-                "from prepare import state\nfrom prepare.fail import Fail\ntry:\n"
+                "from prepare.host import state\nfrom prepare.fail import Fail\ntry:\n"
                 f"    state.vet({str(state_dir)!r}, '--state-dir', 'state_dir (--state-dir)')\n    print('ok')\n"
                 "except Fail as f:\n    print(f.message)\n"
             )

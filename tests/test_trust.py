@@ -1,4 +1,4 @@
-"""As root, a config only root could have written (prepare/trust.py): one
+"""As root, a config only root could have written (prepare/host/trust.py): one
 that another user owns, or that they may write, or that sits in a directory
 they may write, is refused with exit 78 before anything in it is acted on.
 Real files, modes and owners; the command as systemd runs it."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from console import fdl_prepare
 
-from prepare import trust
+from prepare.host import trust
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the checks are root's, and chown needs root")
 

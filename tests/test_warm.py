@@ -1,5 +1,5 @@
 """A re-dial that evaluates nothing: what an earlier attempt settled is kept
-under the state directory (prepare/record.py) and trusted only while it
+under the state directory (prepare/build/record.py) and trusted only while it
 still holds. Every count here comes from a `nix` shim that logs each call
 and runs the real one: an evaluation is a call of `nix eval` or `nix build`
 (a build of a flake attribute evaluates the flake)."""
@@ -17,13 +17,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, manifest_text, procs_with, trainer
+from nix_fixtures import NIX_CONFIG, build, manifest_text, procs_left, trainer
 
-from prepare import nix as nix_mod
-from prepare import record
-from prepare.build import CONTRACT, Built, build
+from prepare.build import record
+from prepare.build.choose import CONTRACT
 from prepare.fail import Fail
-from prepare.spec import PrepareSpec, SourceSpec
+from prepare.nix import runner as nix_mod
+from prepare.spec import Prepared, PrepareSpec, SourceSpec
 
 pytestmark = pytest.mark.nix
 
@@ -77,9 +77,9 @@ def nix(tmp_path: Path, nix_env: dict[str, str]) -> Counting:
     return Counting(tmp_path)
 
 
-def attempt(nix: Counting, spec: PrepareSpec, notes: list[str] | None = None, events: list | None = None) -> Built:
+def attempt(nix: Counting, spec: PrepareSpec, notes: list[str] | None = None, events: list | None = None) -> Prepared:
     return build(
-        spec, None, notes if notes is not None else [], progress=events.append if events is not None else None,
+        spec, notes if notes is not None else [], progress=events.append if events is not None else None,
         nix_program=nix.program,
     )  # fmt: skip
 
@@ -299,7 +299,7 @@ def test_a_refused_re_dial_leaves_no_fetch_running(nix, test_flake, state_dir, g
         attempt(nix, replace(spec, cpu_only=False, libtorch="no-such-variant"))
     assert refused.value.reason == "libtorch.unknown-variant"
     assert time.monotonic() - started < 20
-    assert not procs_with("sleep 30"), "the fetch started beside the resolution outlived the refusal"
+    assert not procs_left("sleep 30"), "the fetch started beside the resolution outlived the refusal"
 
 
 def test_refresh_evaluates_anyway_and_records_afresh(nix, test_flake, state_dir, git_source):
@@ -323,7 +323,7 @@ def test_a_libtorch_only_build_is_warm_too(nix, test_flake, state_dir):
 # -- any doubt means the normal path ----------------------------------------------------
 
 
-def _warm(nix: Counting, spec: PrepareSpec) -> Built:
+def _warm(nix: Counting, spec: PrepareSpec) -> Prepared:
     first = attempt(nix, spec)
     nix.calls()
     return first
@@ -406,13 +406,13 @@ def test_a_record_reached_through_a_symlink_is_not_read(nix, test_flake, state_d
 
 _WRITER = """
 import os, sys
-from prepare import record
+from prepare.build import record
 state, stop = sys.argv[1], sys.argv[2]
 small = record.Record("a" * 64, {"cpu": {"label": "cpu"}})
 large = record.Record(
     "b" * 64,
     {f"v{i}": {"label": f"v{i}", "archs": ["8.6"] * 50} for i in range(200)},
-    record.Plan("k", [{"drvPath": "/nix/store/x-a.drv", "outputs": {"out": "/nix/store/x-a"}}]),
+    record.Outputs("k", [{"drvPath": "/nix/store/x-a.drv", "outputs": {"out": "/nix/store/x-a"}}]),
 )
 while not os.path.exists(stop):
     record.save(state, large)
@@ -430,7 +430,7 @@ def test_a_reader_never_sees_a_half_written_record(tmp_path):
     state.mkdir()
     writer = subprocess.Popen(
         [sys.executable, "-c", _WRITER, str(state), str(stop)],
-        env={**os.environ, "PYTHONPATH": str(Path(record.__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": str(Path(record.__file__).resolve().parents[2])},
     )
     seen: dict[str, int] = {}
     torn: list[object] = []
@@ -459,12 +459,12 @@ def test_a_reader_never_sees_a_half_written_record(tmp_path):
 
 def test_two_concurrent_attempts_on_one_state_directory_agree(nix_env, test_flake, state_dir, git_source):
     spec = cpu_spec(test_flake, state_dir, git_source(trainer()).url)
-    results: list[Built] = []
+    results: list[Prepared] = []
     errors: list[BaseException] = []
 
     def one() -> None:
         try:
-            results.append(build(spec, None, []))
+            results.append(build(spec, []))
         except BaseException as error:  # noqa: BLE001 - reported below, with the assertion
             errors.append(error)
 

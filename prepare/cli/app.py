@@ -1,0 +1,479 @@
+"""The `fdl-prepare` command: flags and config in, a summary and an exit code out.
+
+The options come from the field table (prepare.config.fields): one per
+[join] key, defaulting to "not given", so defaults and precedence live in
+prepare.config.resolve alone. The commands are the default one (prepare
+this box), `gpus` (the survey), `publish` (build once, substitute
+everywhere) and `completion` (a shell's completion script, made from this
+parser). Only this package prints (besides `print_notes`), and every
+outcome, with its exit code, is written by prepare.cli.report.
+
+The parser is the standard library's argparse, and the steps, pynvml and
+rich are imported inside the commands: a warm attempt and `--help` pay for
+what they run and no more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+from prepare.cli.report import EXIT_OK, NAME, Report, Streams, Usage, usage
+from prepare.config.fields import TABLE, Field, Table, nest
+from prepare.fail import Fail
+
+ROOT_USAGE = f"{NAME} [OPTIONS] COMMAND [ARGS]..."
+DESCRIPTION = (
+    "Get this box ready before it dials a training controller: GPU gate, dataset root, writable local "
+    "directories, then a pinned libtorch and the training binary through Nix."
+)
+EPILOG = "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 70 a bug (stop), 130 interrupted."
+GPUS_HELP = (
+    "Survey the GPUs and print them: NVIDIA through NVML (after CUDA_VISIBLE_DEVICES), AMD from the amdgpu "
+    "driver's KFD topology (after ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES), each numbered as its runtime "
+    "numbers it."
+)
+PUBLISH_HELP = (
+    "Build the run's outputs for each variant, sign them, copy them to a binary cache, then write .fdl-run.toml "
+    "(the commit point): boxes that trust the key substitute instead of building. --flake must name the flake "
+    "the boxes build with, at the same revision."
+)
+COMPLETION_HELP = (
+    "Print the shell completion script for bash, zsh or fish (e.g. `source <(fdl-prepare completion bash)`)."
+)
+
+# The keys publish shares with prepare: the flake both build with, where the
+# GC roots live, how long a build may run, and the smoke run (which publish
+# writes into the manifest, where it outranks the boxes' own). Same flags,
+# same checks.
+PUBLISH_SHARED = ("flake", "state_dir", "build_timeout", "source.smoke")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (systemd stopping the unit) unwinds like Ctrl-C, so the seam in
+    prepare.host.proc stops any running child before we exit."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Interrupted()
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+
+class _Help(argparse.HelpFormatter):
+    """argparse's help, with the options' help in one column as click's is."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30)
+
+    def add_usage(self, usage: Any, actions: Any, groups: Any, prefix: str | None = None) -> None:
+        super().add_usage(usage, actions, groups, "Usage: " if prefix is None else prefix)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors raised as `Usage` (worded as click words
+    them, naming the option) for prepare.cli.report to write, instead of
+    argparse's own message and exit."""
+
+    def __init__(self, *args: Any, command: str = NAME, usage_line: str = ROOT_USAGE, **kwargs: Any) -> None:
+        kwargs.update(usage=usage_line, add_help=False, formatter_class=_Help)
+        super().__init__(*args, **kwargs)
+        self.command = command
+        self.usage_line = usage_line
+        self.add_argument("-h", "--help", action="help", help="Show this message and exit.")
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        words = sys.argv[1:] if args is None else args
+        return super().parse_known_args(_values_joined(words, self), namespace)
+
+    def error(self, message: str) -> NoReturn:
+        raise Usage(_clicked(message), usage=self.usage_line, command=self.command)
+
+
+def _clicked(message: str) -> str:
+    """argparse's words for a usage error, as the command has always said them."""
+    for start, said in (
+        ("unrecognized arguments: ", "No such option: {}"),
+        ("the following arguments are required: ", "Missing option '{}'."),
+    ):
+        if message.startswith(start):
+            rest = message.removeprefix(start).split(", ")[0].split(" ")[0]
+            if start.startswith("the following") and not rest.startswith("-"):
+                return f"Missing argument '{rest}'."
+            return said.format(rest)
+    if message.startswith("argument "):
+        option, _, said = message.removeprefix("argument ").partition(": ")
+        option = option.split("/")[0]
+        if said.startswith("invalid choice: "):
+            return f"No such command {said.removeprefix('invalid choice: ').split(' ')[0]}."
+        if said.startswith("ignored explicit argument"):
+            return f"Option '{option}' does not take a value."
+        if said.startswith("expected one argument"):
+            return f"Option '{option}' requires an argument."
+        return f"Invalid value for '{option}': {said}"
+    return message
+
+
+def _typed(kind: type, name: str) -> Callable[[str], Any]:
+    def read(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {name}.") from None
+
+    return read
+
+
+def _read_flag(f: Field) -> Callable[[str], Any]:
+    """A flag whose text needs more reading (`--devices 0,1`): a malformed
+    one is a usage error (exit 2), not a broken box."""
+    reader = f.kind.read_flag
+    assert reader is not None
+
+    def read(text: str) -> Any:
+        try:
+            return reader(text, f.flag)
+        except Fail as fail:
+            raise argparse.ArgumentTypeError(fail.message) from None
+
+    return read
+
+
+def _add_field(parser: argparse.ArgumentParser, f: Field, dest: str) -> None:
+    """The option for one field of the config. It defaults to None, "not
+    given", whatever the field's default."""
+    kind = f.kind.flag_type
+    if kind is bool:
+        parser.add_argument(f.flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=f.help)
+        return
+    read: Callable[[str], Any] = str
+    if f.kind.read_flag is not None:
+        read = _read_flag(f)
+    elif kind is int:
+        read = _typed(int, "int")
+    elif kind is float:
+        read = _typed(float, "float")
+    # A repeatable flag: each occurrence is one item of the list.
+    action = "append" if kind is list else "store"
+    parser.add_argument(f.flag, dest=dest, action=action, type=read, metavar=f.metavar, default=None, help=f.help)
+
+
+def parser(table: Table = TABLE) -> Parser:
+    """The command line: the root's options (one per field of `table`) and
+    its commands. A root option's dest is its field's param; a command's own
+    options are under `<command>.<name>`, so the root's and a command's never
+    share one."""
+    from prepare import __version__
+
+    root = Parser(prog=NAME, description=DESCRIPTION, epilog=EPILOG)
+    root.add_argument(
+        "--config",
+        metavar="PATH",
+        help="TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present.",
+    )
+    for f in table.fields:
+        _add_field(root, f, f.param)
+    root.add_argument("--json", action="store_true", help="Print one JSON object on stdout: the Prepared, or the Fail.")
+    root.add_argument(
+        "--version", action="version", version=f"{NAME} {__version__}", help="Print the version and exit."
+    )
+    commands = root.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
+
+    gpus = _command(commands, "gpus", GPUS_HELP, f"{NAME} gpus [OPTIONS]")
+    gpus.add_argument("--json", dest="gpus.json", action="store_true", help="Print the survey as JSON on stdout.")
+
+    publish = _command(commands, "publish", PUBLISH_HELP, f"{NAME} publish [OPTIONS] SOURCE_DIR")
+    publish.add_argument(
+        "source", metavar="SOURCE_DIR", help="The training source tree (a git checkout or not).", nargs="?"
+    )
+    publish.add_argument("--bin", dest="publish.bin", metavar="NAME", help="The training binary the build installs.")
+    publish.add_argument(
+        "--variant",
+        dest="publish.variant",
+        action="append",
+        metavar="LABEL",
+        help="libtorch variant to build and serve, repeatable (cpu, cu128).",
+    )
+    publish.add_argument(
+        "--to", dest="publish.to", metavar="URL", help="The binary cache: a store URL `nix copy --to` takes."
+    )
+    publish.add_argument(
+        "--signing-key",
+        dest="publish.signing_key",
+        metavar="FILE",
+        help="Nix secret key file the outputs are signed with (read by nix).",
+    )
+    publish.add_argument(
+        "--cwd",
+        dest="publish.cwd",
+        metavar="DIR",
+        default=".",
+        help="Directory inside the source the build and run use. Default: .",
+    )
+    publish.add_argument("--build", dest="publish.build", metavar="CMD", help="Build line (default: the flake's).")
+    publish.add_argument(
+        "--arg",
+        dest="publish.arg",
+        action="append",
+        metavar="ARG",
+        help="An argument of the run, repeatable, in order.",
+    )
+    publish.add_argument(
+        "--no-smoke",
+        dest="publish.no_smoke",
+        action="store_true",
+        help="Write `smoke = []`: the boxes make no smoke run.",
+    )
+    publish.add_argument(
+        "--commit",
+        dest="publish.commit",
+        action="store_true",
+        help="git: commit the manifest alone on the commit built.",
+    )
+    publish.add_argument("--push", dest="publish.push", action="store_true", help="git: commit and push the manifest.")
+    publish.add_argument(
+        "--json",
+        dest="publish.json",
+        action="store_true",
+        help="Print one JSON object on stdout: the publish, or the Fail.",
+    )
+    for f in _shared(table).fields:
+        _add_field(publish, f, f"publish.{f.param}")
+
+    completion = _command(commands, "completion", COMPLETION_HELP, f"{NAME} completion {{bash,zsh,fish}}")
+    completion.add_argument("shell", choices=("bash", "zsh", "fish"), metavar="{bash,zsh,fish}")
+    return root
+
+
+def _command(commands: Any, name: str, help: str, usage_line: str) -> Parser:
+    made: Parser = commands.add_parser(
+        name, help=help, description=help, command=f"{NAME} {name}", usage_line=usage_line
+    )
+    return made
+
+
+def _shared(table: Table) -> Table:
+    return Table([table.by_key[key] for key in PUBLISH_SHARED if key in table.by_key])
+
+
+def flags(table: Table, given: argparse.Namespace | Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The options given, in the shape of the config's [join] table, so
+    precedence can live in one place (prepare.config.resolve)."""
+    values = vars(given) if isinstance(given, argparse.Namespace) else given
+    flat: dict[str, Any] = {}
+    for f in table.fields:
+        value = values.get(prefix + f.param)
+        if value is not None:
+            flat[f.key] = value
+    return nest(flat)
+
+
+# -- the commands --------------------------------------------------------------------------------
+
+
+def run(args: Sequence[str] | None = None, *, table: Table = TABLE) -> int:
+    """Parse `args` (default: the process's) and run the command they name;
+    the exit code. Writes to sys.stdout and sys.stderr as they are."""
+    argv = sys.argv[1:] if args is None else list(args)
+    the_parser = parser(table)
+    try:
+        if argv[:1] == ["publish"] and len(argv) == 1:
+            # No arguments at all is a request for help, as a usage error.
+            _commands(the_parser)["publish"].print_help(sys.stderr)
+            return 2
+        given, extra = the_parser.parse_known_args(argv)
+        if extra:
+            # Named by the command they were given to, with its usage.
+            (_commands(the_parser)[given.command] if given.command else the_parser).error(
+                f"unrecognized arguments: {' '.join(extra)}"
+            )
+        if given.command is not None:
+            _nothing_for(given, table)
+        if given.command == "publish":
+            _publish_args(given, _commands(the_parser)["publish"])
+    except Usage as error:
+        return usage(error)
+    except SystemExit as done:  # --help, --version: argparse has printed them
+        return int(done.code or 0)
+    command = given.command or "prepare"
+    return COMMANDS[command](given, table)
+
+
+def _values_joined(argv: Sequence[str], root: argparse.ArgumentParser) -> list[str]:
+    """`argv` with each option that takes a value joined to it (`--smoke
+    --steps` as `--smoke=--steps`): the next word is the value whatever it
+    looks like, as the command has always read it, where argparse would take
+    one that starts with '-' for an option. A training binary's arguments
+    (`--smoke`, `--arg`) usually do."""
+    commands = _commands(root)
+    valued = _valued(root)
+    out: list[str] = []
+    words = list(argv)
+    while words:
+        word = words.pop(0)
+        if word == "--":
+            out += [word, *words]
+            break
+        if word in valued and words:
+            out.append(f"{word}={words.pop(0)}")
+            continue
+        if word in commands:
+            valued = _valued(commands[word])
+            commands = {}
+        out.append(word)
+    return out
+
+
+def _valued(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for a in parser._actions if a.option_strings and a.nargs != 0 for flag in a.option_strings}
+
+
+def _commands(parser: argparse.ArgumentParser) -> dict[str, Parser]:
+    """The commands of `parser` (none for a command's own)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _nothing_for(given: argparse.Namespace, table: Table) -> None:
+    """Before a command, the root's --json is the command's (`fdl-prepare
+    --json gpus` prints JSON, as `fdl-prepare gpus --json` does); any other
+    root option would be silently ignored there, so it is a usage error."""
+    ignored = [f.flag for f in table.fields if getattr(given, f.param) not in (None, [])]
+    if given.config is not None:
+        ignored.insert(0, "--config")
+    if not ignored:
+        return
+    them = "it" if len(ignored) == 1 else "them"
+    raise Usage(
+        f"Invalid value for {', '.join(ignored)}: given before `{given.command}`, which would ignore {them}: drop "
+        f"{them}, or see `{NAME} {given.command} --help` for its own options",
+        usage=ROOT_USAGE,
+    )
+
+
+def _publish_args(given: argparse.Namespace, publish: Parser) -> None:
+    """What publish requires, and what it cannot take together."""
+    values = vars(given)
+    if values["source"] is None:
+        publish.error("the following arguments are required: SOURCE_DIR")
+    for option, dest in (("--bin", "bin"), ("--to", "to"), ("--signing-key", "signing_key")):
+        if values[f"publish.{dest}"] is None:
+            publish.error(f"the following arguments are required: {option}")
+    if values.get("publish.source_smoke") and values["publish.no_smoke"]:
+        publish.error(
+            "argument --no-smoke: give --smoke ARG to set the smoke run, or --no-smoke to turn it off, not both"
+        )
+
+
+def _prepare(given: argparse.Namespace, table: Table) -> int:
+    report = Report(NAME, as_json=given.json)
+
+    def work() -> Any:
+        from prepare import config, pipeline
+
+        path = config.find_path(given.config, os.environ)
+        file = config.load(path, table=table) if path is not None else {}
+        spec = config.resolve(file, flags(table, given), os.environ, table=table)
+        progress = None
+        if spec.wants_build:
+            from prepare.cli import progress as display
+
+            progress = display.renderer(sys.stderr)
+        return pipeline.prepare(spec, report.notes, progress=progress)
+
+    return report.outcome(work)
+
+
+def _gpus(given: argparse.Namespace, table: Table) -> int:
+    report = Report(f"{NAME} gpus", as_json=given.json or vars(given)["gpus.json"])
+
+    def work() -> Any:
+        from prepare.gpu import gate
+        from prepare.spec import DRIVER_DIR
+
+        return gate.survey(os.environ, driver_dir=DRIVER_DIR)
+
+    return report.outcome(work)
+
+
+def _publish(given: argparse.Namespace, table: Table) -> int:
+    values = vars(given)
+    report = Report(f"{NAME} publish", as_json=given.json or values["publish.json"])
+
+    def work() -> Any:
+        from prepare import config
+        from prepare.cli import progress as display
+        from prepare.publish import PublishSpec, publish
+
+        # The same flags, checks and environment defaults as prepare's.
+        shared_table = _shared(table)
+        shared = config.resolve({}, flags(shared_table, given, "publish."), os.environ, table=shared_table)
+        smoke = None if shared.source is None else shared.source.smoke
+        spec = PublishSpec(
+            source=values["source"],
+            bin=values["publish.bin"],
+            variants=tuple(values["publish.variant"] or ()),
+            to=values["publish.to"],
+            signing_key=values["publish.signing_key"],
+            cwd=values["publish.cwd"],
+            build=values["publish.build"],
+            args=tuple(values["publish.arg"] or ()),
+            smoke=() if values["publish.no_smoke"] else smoke,
+            flake=shared.flake,
+            state_dir=shared.state_dir,
+            build_timeout_s=shared.build_timeout_s,
+            commit=values["publish.commit"] or values["publish.push"],
+            push=values["publish.push"],
+        )
+        return publish(spec, report.notes, display.renderer(sys.stderr, prefix=report.name))
+
+    return report.outcome(work)
+
+
+def _completion(given: argparse.Namespace, table: Table) -> int:
+    from prepare.cli import completion
+
+    print(completion.script(given.shell, parser(table)), end="")
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Table], int]] = {
+    "prepare": _prepare,
+    "gpus": _gpus,
+    "publish": _publish,
+    "completion": _completion,
+}
+
+
+def main(args: Sequence[str] | None = None) -> None:
+    """The console script: the command's outcome as its exit code, SIGTERM
+    taken as an interruption, and output that cannot be written reported
+    as such (prepare.cli.report.Streams)."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    streams = Streams()
+    code: Any
+    try:
+        code = run(args)
+    except KeyboardInterrupt:
+        # Outside a command's own report: an interruption while parsing.
+        code = Report().interrupted()
+    except Exception as bug:  # noqa: BLE001 (a bug: reported with its traceback, exit 70)
+        # Outside the commands' own reports: the option parsing, the
+        # imports. Still a bug, still not retried.
+        code = Report().bug(bug)
+    sys.exit(streams.close(code))
+
+
+def publish_main() -> None:
+    """`fdl-prepare-publish ARGS` is `fdl-prepare publish ARGS`: a flake app
+    is one program, and `nix run .#publish -- ARGS` runs this one."""
+    main(["publish", *sys.argv[1:]])
