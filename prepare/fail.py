@@ -42,6 +42,7 @@ Reason = Literal[
     "gpu.nvml-failed",
     "gpu.no-device",
     "gpu.device-absent",
+    "gpu.device-unhealthy",
     "gpu.unusable",
     "gpu.unhealthy",
     "gpu.fabric-not-ready",
@@ -172,6 +173,10 @@ REASONS: dict[Reason, Row] = {
     "gpu.nvml-failed": Row(PERMANENT, "NVML failed in a way not listed here; the message has NVML's own words"),
     "gpu.no-device": Row(PERMANENT, "the driver is loaded but reports no GPU"),
     "gpu.device-absent": Row(PERMANENT, "`devices` (`--devices`) names an index the box does not have"),
+    "gpu.device-unhealthy": Row(
+        PERMANENT,
+        "a card `devices` (`--devices`) names is unusable or sick: the box stops rather than train without it",
+    ),
     "gpu.unusable": Row(PERMANENT, "every GPU failed its queries (lost, broken)"),
     "gpu.unhealthy": Row(
         PERMANENT,

@@ -31,6 +31,20 @@ own result), times each under its name, and holds what spans steps (the
 state lock, a fetch started early) until the last one is done, or one
 failed. Step modules are imported inside the steps, so `import prepare`
 (and the CLI's `--help`) stays cheap.
+
+`check` (`fdl-prepare check`) runs the same steps in the same order, each
+through its `check` counterpart: what the step would settle, settled as
+far as can be without changing the box or spending minutes. The GPU gate
+is the gate (the driver directory only looked at); the dataset root is
+listed, an existing mount judged, a source not mounted yet reached with
+sftp and its directory found; the local directories and the state
+directory are judged and proven writable by probes that leave nothing
+behind (a missing one by where it would be made); the flake is resolved
+and evaluated, the source fetched and its manifest read; the build is
+asked of Nix as a dry run (what it would build, what substitute); the
+smoke run's user is resolved. Nothing is mounted, built, linked or
+recorded, no directory made, no lock taken. A step's Fail is the
+attempt's, and ends the check there.
 """
 
 from __future__ import annotations
@@ -41,7 +55,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from prepare.spec import Prepared, PrepareSpec, Progress
+from prepare.fail import Fail
+from prepare.spec import Checked, Prepared, PrepareSpec, Progress, StepCheck
 
 if TYPE_CHECKING:
     from prepare.build.realise import Built
@@ -50,6 +65,7 @@ if TYPE_CHECKING:
     from prepare.build.workspace import Workspace
     from prepare.gpu.devices import Gpus
     from prepare.host.dirs import LocalDirs
+    from prepare.nix.runner import DryRun
     from prepare.plan import Plan
 
 
@@ -75,6 +91,12 @@ class Attempt:
     choice: Choice | None = None
     source: Source | None = None
     built: Built | None = None
+    # A check's dry run of the build (step 7 of `check`).
+    dry_run: DryRun | None = None
+
+
+def _always(attempt: Attempt) -> bool:
+    return True
 
 
 @dataclass(frozen=True)
@@ -82,9 +104,13 @@ class Step:
     # The step's name: its key in Prepared.timings.
     name: str
     run: Callable[[Attempt], Attempt]
+    # `check`'s counterpart of `run`: the same settled without changing
+    # the box, and the step's verdict.
+    check: Callable[[Attempt], tuple[Attempt, StepCheck]]
     # Whether the attempt needs the step at all (the build steps only for a
-    # spec that asks for a libtorch or a source).
-    wanted: Callable[[Attempt], bool] = lambda attempt: True
+    # spec that asks for a libtorch or a source), and, in a check, why not.
+    wanted: Callable[[Attempt], bool] = _always
+    skipped: str = ""
 
 
 def _gate(a: Attempt) -> Attempt:
@@ -150,18 +176,133 @@ def _builds(a: Attempt) -> bool:
 
 
 def _smokes(a: Attempt) -> bool:
-    return a.built is not None and a.built.bin is not None and bool(a.built.smoke)
+    if a.built is not None:
+        return a.built.bin is not None and bool(a.built.smoke)
+    # A check builds nothing: the recipe says whether the attempt would run it.
+    return a.source is not None and bool(a.source.recipe.smoke)
 
+
+# -- each step's check counterpart --------------------------------------------------
+
+
+def _gate_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    from prepare.gpu import gate
+
+    gpus = gate.check(a.plan.gate, a.notes, change=False)
+    if gpus is None:
+        return a, StepCheck("skipped", "cpu_only: no GPU is gated or offered, only the cpu libtorch can be used")
+    vendor, offered = gpus.offered_for(None)
+    cards = ", ".join(str(i) for i in offered)
+    return replace(a, gpus=gpus), StepCheck("ok", f"offering {'AMD' if vendor == 'amd' else 'NVIDIA'} GPU {cards}")
+
+
+def _data_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    from prepare.data import root
+
+    path, verdict, detail = root.check(a.plan.data, a.notes)
+    return replace(a, data_path=path), StepCheck(verdict, detail)
+
+
+def _dirs_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    from prepare.host import dirs
+
+    found = dirs.check(a.notes, change=False)
+    said = f"dataset cache {found.cache}, stage {found.stage}"
+    if found.missing:
+        return replace(a, dirs=found), StepCheck("would create", f"{', '.join(found.missing)} (writable); {said}")
+    return replace(a, dirs=found), StepCheck("ok", f"{said}: both writable")
+
+
+def _state_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    from prepare.build import workspace
+
+    assert a.plan.build is not None
+    ws, exists = workspace.inspect(a.plan.build, a.notes, a.progress, a.held, nix_program=a.nix_program, env=a.nix_env)
+    if not exists:
+        return replace(a, workspace=ws), StepCheck(
+            "would create", f"the state directory {ws.state} (its parent writable)"
+        )
+    return replace(a, workspace=ws), StepCheck("ok", f"the state directory {ws.state}, writable")
+
+
+def _variant_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    done = _variant(a)
+    assert done.choice is not None
+    variant = done.choice.variant
+    if variant.vendor is None:
+        return done, StepCheck("ok", f"{variant.label} ({variant.runtime}): no GPU kernels to cover")
+    kernels = variant.gfx_text if variant.vendor == "amd" else variant.archs_text
+    return done, StepCheck(
+        "ok", f"{variant.label} ({variant.runtime}, kernels for {kernels}): covers the offered cards"
+    )
+
+
+def _source_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    done = _source(a)
+    if done.source is None:
+        return done, StepCheck("skipped", "no training source (source.from): libtorch alone")
+    fetched, recipe = done.source.fetched, done.source.recipe
+    rev = (fetched.locked or {}).get("rev") if fetched.locked else None
+    said = f"{fetched.url} at {fetched.store_path}" + (f" (rev {str(rev)[:12]})" if rev else "")
+    return done, StepCheck("ok", f"{said}; bin {recipe.bin}")
+
+
+def _build_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    from prepare.build import warm
+
+    ws = a.workspace
+    assert a.plan.build is not None and ws is not None and ws.scratch is not None and a.choice is not None
+    dry = warm.preview(a.plan.build, ws, a.choice, a.source, a.gpus, a.notes, ws.scratch)
+    if dry is None:
+        return a, StepCheck("ok", "nothing to build: an earlier attempt's outputs are in the store")
+    done = replace(a, dry_run=dry)
+    if dry.unknown:
+        # Not met in practice (the one store path the build names, the
+        # source, was fetched a moment ago): said, not guessed at.
+        a.notes.append(
+            f"nix can neither build nor fetch {len(dry.unknown)} store path(s) the build names ("
+            + ", ".join(dry.unknown[:3])
+            + "): the attempt's build would stop on them"
+        )
+    parts = []
+    if dry.build_count:
+        parts.append(f"{dry.build_count} derivation(s) to build")
+    if dry.fetch_count:
+        parts.append(f"{dry.fetch_count} path(s) to substitute" + (f" ({dry.fetch_size})" if dry.fetch_size else ""))
+    if not parts:
+        return done, StepCheck("ok", "everything is in the store: an attempt only links its GC roots")
+    return done, StepCheck("would build" if dry.build_count else "would substitute", ", ".join(parts))
+
+
+def _smoke_check(a: Attempt) -> tuple[Attempt, StepCheck]:
+    import shlex
+
+    from prepare.host import confine, human
+
+    assert a.source is not None
+    recipe = a.source.recipe
+    # Resolved as the run would be (a missing or root smoke_user is the
+    # config's error), then its home removed again.
+    confinement = confine.enter(a.plan.smoke.user)
+    confine.leave(confinement)
+    command = human.printable(shlex.join([recipe.bin, *(recipe.smoke or ())]))
+    if len(command) > 200:
+        command = command[:200] + " ... (cut)"
+    who = confinement.describe(None)
+    return a, StepCheck("would run", f"`{command}` {who}, within {a.plan.smoke.timeout_s:g}s")
+
+
+_NO_BUILD = "no libtorch and no training source asked for (libtorch, source.from)"
 
 STEPS: tuple[Step, ...] = (
-    Step("gate", _gate),
-    Step("data", _data),
-    Step("dirs", _dirs),
-    Step("state", _state, _builds),
-    Step("variant", _variant, _builds),
-    Step("source", _source, _builds),
-    Step("build", _build, _builds),
-    Step("smoke", _smoke, _smokes),
+    Step("gate", _gate, _gate_check),
+    Step("data", _data, _data_check),
+    Step("dirs", _dirs, _dirs_check),
+    Step("state", _state, _state_check, _builds, _NO_BUILD),
+    Step("variant", _variant, _variant_check, _builds, _NO_BUILD),
+    Step("source", _source, _source_check, _builds, _NO_BUILD),
+    Step("build", _build, _build_check, _builds, _NO_BUILD),
+    Step("smoke", _smoke, _smoke_check, _smokes, "the recipe asks for no smoke run (smoke)"),
 )
 
 
@@ -196,6 +337,57 @@ def run(
             finally:
                 timings[step.name] = round(time.monotonic() - start, 4)
     return _prepared(attempt, timings)
+
+
+def check(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = None) -> Checked:
+    """What an attempt on `spec` would do, found out without changing the
+    box (`fdl-prepare check`): never raises a Fail, it returns it, in
+    `Checked.fail`, with every step's verdict up to it."""
+    from prepare.plan import plan
+
+    try:
+        planned = plan(spec)
+    except Fail as fail:
+        verdicts = {"plan": StepCheck("failed", f"{fail.kind} [{fail.reason}]")}
+        verdicts.update({s.name: StepCheck("not checked", "the plan failed first") for s in STEPS})
+        return Checked(verdicts, fail=fail)
+    return run_check(planned, notes, progress=progress)
+
+
+def run_check(
+    plan: Plan,
+    notes: list[str],
+    *,
+    progress: Progress | None = None,
+    steps: Sequence[Step] = STEPS,
+    nix_program: str = "nix",
+    nix_env: Mapping[str, str] | None = None,
+) -> Checked:
+    """The executor, in check mode: each of `steps` in order through its
+    check counterpart (those the attempt would skip said so), each timed
+    under its name; the first Fail ends it, and is the result's."""
+    verdicts = {"plan": StepCheck("ok", "the config and flags are valid")}
+    timings: dict[str, float] = {}
+    with ExitStack() as held:
+        attempt = Attempt(plan, notes, progress, held, nix_program=nix_program, nix_env=nix_env)
+        for index, step in enumerate(steps):
+            if not step.wanted(attempt):
+                verdicts[step.name] = StepCheck("skipped", step.skipped)
+                continue
+            start = time.monotonic()
+            try:
+                attempt, verdicts[step.name] = step.check(attempt)
+            except Fail as fail:
+                verdicts[step.name] = StepCheck("failed", f"{fail.kind} [{fail.reason}]")
+                for rest in steps[index + 1 :]:
+                    verdicts[rest.name] = StepCheck("not checked", f"{step.name} failed first")
+                return Checked(verdicts, fail=fail, timings=timings)
+            finally:
+                timings[step.name] = round(time.monotonic() - start, 4)
+    dry = attempt.dry_run
+    if dry is None:
+        return Checked(verdicts, timings=timings)
+    return Checked(verdicts, substitute=dry.fetch, build=dry.build, download=dry.fetch_size, timings=timings)
 
 
 def _prepared(a: Attempt, timings: dict[str, float]) -> Prepared:

@@ -55,14 +55,19 @@ def plan(spec: PrepareSpec, env: Mapping[str, str] | None = None, *, table: Tabl
     (default: this process's environment)."""
     env = os.environ if env is None else env
     spec = checked(spec, table=table)
-    gate = GatePlan(
-        cpu_only=spec.cpu_only, devices=spec.devices, expect_gpus=spec.expect_gpus, driver_dir=spec.driver_dir
-    )
     return Plan(
-        gate=gate,
+        gate=gate_plan(spec),
         data=_data(spec),
         build=_build(spec, env) if spec.wants_build else None,
         smoke=SmokePlan(timeout_s=spec.smoke_timeout_s, user=spec.smoke_user),
+    )
+
+
+def gate_plan(spec: PrepareSpec) -> GatePlan:
+    """The GPU gate's part of a checked spec: also what `fdl-prepare gpus`,
+    which needs no other part, judges the box by."""
+    return GatePlan(
+        cpu_only=spec.cpu_only, devices=spec.devices, expect_gpus=spec.expect_gpus, driver_dir=spec.driver_dir
     )
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from prepare.fail import Fail
 
 # Defaults a step acts on, written here once: the field table gives them
 # as its defaults and its help, the plan applies them.
@@ -190,3 +193,84 @@ class Prepared:
         if self.devices is not None:
             out["devices"] = list(self.devices)
         return out
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """One step's verdict in a check: `verdict` is "ok" (settled as an
+    attempt would), "would ..." (what an attempt would change: "would
+    mount", "would create", "would build", "would substitute", "would
+    run"), "skipped" (not wanted, as an attempt would skip it), "failed"
+    (where the attempt would stop) or "not checked" (after that); `detail`
+    says what was found."""
+
+    verdict: str
+    detail: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"verdict": self.verdict, "detail": self.detail}
+
+
+# What a step's verdict says an attempt would do, for the check's last line.
+_DOES = {
+    "ok": "",
+    "skipped": "",
+    "would mount": "mount the dataset root",
+    "would remount": "mount the dataset root again",
+    "would create": "create what is missing",
+    "would build": "build {build} derivation(s){also}",
+    "would substitute": "substitute {substitute} path(s)",
+    "would run": "run the smoke step",
+}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `check` found: each step's verdict, in pipeline order after the
+    plan's; the store paths the build would substitute from a cache and
+    the derivations it would build; and the Fail an attempt would stop on
+    (None: it would prepare the box)."""
+
+    steps: dict[str, StepCheck]
+    substitute: tuple[str, ...] = ()
+    build: tuple[str, ...] = ()
+    # As Nix said it (2.34: "1.2 GiB download, 4.5 GiB unpacked").
+    download: str | None = None
+    fail: Fail | None = None
+    timings: dict[str, float] = field(default_factory=dict, compare=False)
+
+    # How many of each list a person is shown (--json has them all).
+    LISTED: ClassVar[int] = 20
+
+    @property
+    def ready(self) -> bool:
+        return self.fail is None
+
+    def summary(self) -> str:
+        """The last line for people: what an attempt would do, or where it would stop."""
+        if self.fail is not None:
+            where = next((name for name, step in self.steps.items() if step.verdict == "failed"), "the plan")
+            return f"not ready: an attempt would stop at {where} ({self.fail.kind}, {self.fail.reason})"
+        changes = [_DOES.get(step.verdict, step.verdict.removeprefix("would ")) for step in self.steps.values()]
+        also = f" and substitute {len(self.substitute)} path(s)" if self.substitute else ""
+        done = [
+            change.format(build=len(self.build), substitute=len(self.substitute), also=also)
+            for change in changes
+            if change
+        ]
+        if not done:
+            return "ready: an attempt would prepare this box, and change nothing on it"
+        return "ready: an attempt would prepare this box; on the way it would " + ", ".join(done)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "check",
+            "schema": 1,
+            "ready": self.ready,
+            "steps": {name: step.to_json() for name, step in self.steps.items()},
+            "substitute": list(self.substitute),
+            "build": list(self.build),
+            "download": self.download,
+            "fail": None if self.fail is None else self.fail.to_json(),
+            "timings": dict(self.timings),
+        }

@@ -364,7 +364,7 @@ GPUS_CLI = "import sys\nfrom prepare.cli import main\nsys.argv = ['fdl-prepare',
 
 
 def test_gpus_lists_the_amd_cards_with_rocm_and_run_numbering(amd_box, no_nvml):
-    env = {**clean_env(), "ROCR_VISIBLE_DEVICES": "2,0"}
+    env = {**clean_env(), "ROCR_VISIBLE_DEVICES": "2,0", "COLUMNS": "200"}
     done = amd_box(mi300x()).run(GPUS_CLI.format(extra=""), env)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -375,7 +375,28 @@ def test_gpus_lists_the_amd_cards_with_rocm_and_run_numbering(amd_box, no_nvml):
     assert rows[0].split()[:2] == ["0", "1"] and rows[0].endswith("offered") and "gfx942" in rows[0]
     assert rows[2].split()[:2] == ["2", "0"] and "191.7 GiB" in rows[2]
     assert rows[1].split()[:2] == ["1", "-"] and rows[1].endswith("masked by ROCR_VISIBLE_DEVICES")
-    assert lines[-1] == "offered (AMD): 2, 0"
+    assert "offered (AMD): 2, 0" in lines
+    assert lines[-1] == "fdl-prepare gpus: ready: an attempt would pass the GPU gate, offering AMD GPU 2, 0"
+
+
+def test_the_amd_table_fits_80_columns_leaving_out_the_uuid_and_pci_columns(amd_box, no_nvml):
+    env = {**clean_env(), "ROCR_VISIBLE_DEVICES": "2,0", "COLUMNS": "80"}
+    done = amd_box(mi300x()).run(GPUS_CLI.format(extra=""), env)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    at = lines.index("(UUID, PCI left out to fit 80 columns; --json has them)")
+    assert lines[at + 1].split() == ["IDX", "RUN", "NAME", "GFX", "MEMORY", "STATUS"]
+    assert lines[at + 3].endswith("masked by ROCR_VISIBLE_DEVICES")
+
+
+def test_gpus_expect_gpus_on_an_amd_box_the_masks_leave_short_is_permanent_and_exits_78(amd_box, no_nvml):
+    env = {**clean_env(), "ROCR_VISIBLE_DEVICES": "2,0"}
+    done = amd_box(mi300x()).run(GPUS_CLI.format(extra=", '--expect-gpus', '8', '--json'"), env)
+    assert done.returncode == 78, done.stderr
+    data = json.loads(done.stdout)
+    assert data["ready"] is False and data["fail"]["reason"] == "gpu.expected-missing"
+    assert "this box offers 2 healthy AMD GPUs (2, 0)" in data["fail"]["message"]
 
 
 def test_gpus_json_lists_both_vendors(amd_box, fake_nvml):

@@ -318,3 +318,40 @@ def test_a_link_another_attempt_is_making_is_left_to_it(driver_host, tmp_path):
     got = driver_host.ensure(where)
     assert making.is_symlink()
     assert "stale" not in got["notes"][0]
+
+
+def test_a_check_of_the_gate_judges_the_directory_says_what_it_would_link_and_links_nothing(
+    driver_host, fake_nvml, tmp_path
+):
+    driver_host.install("570.86.15")
+    box = fake_nvml.box([FakeGpu()])
+    env = box.env(no_driver_env())
+    env["LD_LIBRARY_PATH"] = ""
+    where = tmp_path / "run" / "driver"
+    code = (
+        "import json, os\n"
+        "from prepare.gpu import gate\n"
+        "notes = []\n"
+        f"gpus = gate.check(gate.GatePlan(driver_dir={str(where)!r}), notes, change=False)\n"
+        f"d = {str(where)!r}\n"
+        "links = {n: os.readlink(os.path.join(d, n)) for n in sorted(os.listdir(d)) if os.path.islink(os.path.join(d, n))} if os.path.isdir(d) else None\n"
+        "print(json.dumps({'offered': list(gpus.offered_indices), 'notes': notes, 'links': links}))\n"
+    )
+
+    def gated() -> dict:
+        done = driver_host.run(code, env=env)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    got = gated()
+    assert got["offered"] == [0] and got["links"] is None and not (tmp_path / "run").exists()
+    assert (
+        f"driver directory {where}: an attempt would make it (from {tmp_path / 'run'}) and link the host's 3 NVIDIA "
+        "libraries there, where Nix-built programs look for the driver"
+    ) in got["notes"]
+    # Once an attempt made it, a driver that moved: the links would be made anew, and are not.
+    made = driver_host.ensure(where, env=env)["links"]
+    driver_host.install("570.86.15", into=driver_host.root / "nvidia" / "current")
+    got = gated()
+    assert got["links"] == made
+    assert any(n.startswith(f"driver directory {where}: an attempt would link 3 of the host's 3") for n in got["notes"])

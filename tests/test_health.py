@@ -95,13 +95,44 @@ def test_each_sick_card_is_named_with_its_own_trouble(nvml_box):
     assert "--cpu-only" in message
 
 
-def test_a_card_masked_out_is_named_healthy_but_masked_when_the_chosen_one_is_sick(nvml_box):
-    nvml_box([FakeGpu(), FakeGpu(ecc=1)])
+def test_a_card_named_in_devices_that_is_sick_is_permanent_not_dropped_with_a_note(nvml_box):
+    nvml_box([FakeGpu(), FakeGpu(ecc=1), FakeGpu()])
     with pytest.raises(Fail) as failed:
-        gate.check(gate.GatePlan(devices=(1,)), [])
-    assert failed.value.reason == "gpu.unhealthy"
-    assert "GPU 0 (NVIDIA GeForce RTX 3090) is healthy but masked by devices" in failed.value.message
-    assert "1 uncorrectable ECC error since the driver loaded" in failed.value.message
+        gate.check(gate.GatePlan(devices=(0, 1)), [])
+    fail = failed.value
+    assert fail.permanent and fail.reason == "gpu.device-unhealthy"
+    assert "devices = [0, 1] (--devices) names a card that cannot train: GPU 1 (NVIDIA GeForce RTX 3090)" in (
+        fail.message
+    )
+    assert "1 uncorrectable ECC error since the driver loaded" in fail.message
+    assert "take it out of devices in [join] (--devices)" in fail.message
+    # A sick card devices does not name is left out with a note, as before.
+    notes: list[str] = []
+    gpus = gate.check(gate.GatePlan(devices=(0, 2)), notes)
+    assert gpus is not None and gpus.offered_indices == (0, 2)
+
+
+def test_a_card_named_in_devices_that_is_lost_stops_an_attempt_too_as_permanent(nvml_box):
+    nvml_box([FakeGpu(), FakeGpu(fail=GPU_IS_LOST)])
+    with pytest.raises(Fail) as failed:
+        prepare(PrepareSpec(devices=(0, 1)), [])
+    assert failed.value.reason == "gpu.device-unhealthy" and failed.value.permanent
+    assert "GPU 1 (name unknown) is unusable" in failed.value.message and "GPU is lost" in failed.value.message
+
+
+def test_a_card_named_in_devices_still_setting_up_its_fabric_is_transient(nvml_box):
+    nvml_box([H100, FakeGpu(fabric=(FABRIC_IN_PROGRESS, 0))])
+    with pytest.raises(Fail) as failed:
+        gate.check(gate.GatePlan(devices=(0, 1)), [])
+    assert not failed.value.permanent and failed.value.reason == "gpu.fabric-not-ready"
+    assert "NVLink fabric registration is in progress" in failed.value.message
+
+
+def test_a_card_masked_by_cuda_visible_devices_is_the_masks_business_not_a_sick_named_one(nvml_box, monkeypatch):
+    nvml_box([FakeGpu(), FakeGpu(ecc=1)])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    gpus = gate.check(gate.GatePlan(devices=(0, 1)), [])
+    assert gpus is not None and gpus.offered_indices == (0,)
 
 
 def test_a_fabric_still_being_set_up_on_every_card_is_transient(nvml_box):
@@ -208,6 +239,9 @@ def _base() -> dict[str, str]:
     env = no_driver_env()
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.pop("CUDA_DEVICE_ORDER", None)
+    env.pop("FDL_PREPARE_CONFIG", None)
+    # The table whole, one row a card.
+    env["COLUMNS"] = "1000"
     return env
 
 
@@ -232,12 +266,13 @@ def test_gpus_shows_each_cards_health_and_whether_it_is_offered(fake_nvml):
     assert "GPU 1" in done.stderr and "unhealthy" in done.stderr
 
 
-def test_gpus_json_on_a_box_of_sick_cards_is_the_survey_not_a_failure(fake_nvml):
+def test_gpus_on_a_box_of_only_sick_cards_is_permanent_with_the_survey_and_the_gates_reason(fake_nvml):
     box = fake_nvml.box([FakeGpu(ecc=1)])
     done = fdl_prepare(box.env(_base()), "--json", "gpus")
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 78, done.stderr
     data = json.loads(done.stdout)
     assert data["offered"] == [] and data["health"][0]["healthy"] is False
+    assert data["ready"] is False and data["fail"]["reason"] == "gpu.unhealthy"
 
 
 # -- expect_gpus -------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from prepare.spec import Binary, Libtorch
 if TYPE_CHECKING:
     from prepare.build.source import Source
     from prepare.build.workspace import Workspace
+    from prepare.nix.runner import DryRun
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,7 @@ def realise(
     attribute set, and with a source, the training binary and the fetched
     tree (pinned by store path and NAR hash, the recipe passed as a flake
     input). Returns Nix's results and the log of the call."""
-    installables = [f"{fdl}.libtorch.{variants.nix_attr(variant.label)}"]
-    overrides: dict[str, str] = {}
-    recipe = recipe_input(variant, source)
-    if source is not None and recipe is not None:
-        recipe_dir = outputs.write_recipe(ws.state, recipe)
-        overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
-        installables += [f"{fdl}.training", source.fetched.store_path]
+    installables, overrides = _request(ws.state, fdl, variant, source)
     ws.step("build", ", ".join(_short(i) for i in installables))
     return ws.nix.build(
         installables,
@@ -96,6 +91,40 @@ def realise(
         doing=f"building libtorch {variant.label}"
         + (f" and the training binary from {source.fetched.url!r}" if source is not None else ""),
     )
+
+
+def dry_run(ws: Workspace, fdl: str, variant: variants.Variant, source: Source | None, scratch: str) -> DryRun:
+    """What `realise` would build and substitute, asked of Nix with the
+    same installables and inputs (`nix build --dry-run`): nothing is built
+    and no out-link made. The recipe goes to `scratch` (a directory of the
+    check's own, gone after it): the flake input copies it by content, so
+    the derivations are the attempt's."""
+    installables, overrides = _request(scratch, fdl, variant, source)
+    ws.step("dry run", ", ".join(_short(i) for i in installables))
+    return ws.nix.dry_run(
+        installables,
+        overrides=overrides,
+        source_path=source.fetched.store_path if source is not None else None,
+        doing=f"asking what building libtorch {variant.label}"
+        + (f" and the training binary from {source.fetched.url!r}" if source is not None else "")
+        + " would build (nix build --dry-run)",
+    )
+
+
+def _request(
+    recipe_home: str, fdl: str, variant: variants.Variant, source: Source | None
+) -> tuple[list[str], dict[str, str]]:
+    """The installables and input overrides of the build: libtorch, and
+    with a source the training binary and the fetched tree, the recipe
+    written under `recipe_home`."""
+    installables = [f"{fdl}.libtorch.{variants.nix_attr(variant.label)}"]
+    overrides: dict[str, str] = {}
+    recipe = recipe_input(variant, source)
+    if source is not None and recipe is not None:
+        recipe_dir = outputs.write_recipe(recipe_home, recipe)
+        overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
+        installables += [f"{fdl}.training", source.fetched.store_path]
+    return installables, overrides
 
 
 def built(

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from prepare.build.variants import Variant
     from prepare.build.workspace import Workspace
     from prepare.gpu.devices import Gpus
-    from prepare.nix.runner import PendingFetch
+    from prepare.nix.runner import DryRun, PendingFetch
 
 # What a failed build of a prediction says: the flake has no
 # `ifVariants.<digest>` for those variants (or predates it).
@@ -109,23 +109,12 @@ def build(
 ) -> realise.Built:
     """Step 7: the outputs the record holds, when they are still in the
     store; else the build, then the record of it."""
-    out_link = os.path.join(ws.state, "gcroots", realise.run_links(source.fetched.url) if source else "run")
+    out_link = _out_link(ws, source)
     variant, variants = choice.variant, choice.variants
     key = _outputs_key(choice.flake, variant, source)
-    known = choice.recorded
-    if (
-        key is not None
-        and known is not None
-        and known.outputs is not None
-        and known.outputs.key == key
-        and record.still_there(known.outputs.results, out_link)
-    ):
-        notes.append(
-            "nothing evaluated: the flake, the training source, the recipe and the variant are those of an "
-            f"earlier attempt, whose outputs are still in the store ({os.path.join(ws.state, record.NAME)}; "
-            "--refresh evaluates anyway)"
-        )
-        return realise.built(plan.flake, variant, source, known.outputs.results, Log(), notes)
+    known = _reusable(ws, choice, source, notes)
+    if known is not None:
+        return realise.built(plan.flake, variant, source, known.results, Log(), notes)
 
     if choice.predicted is None:
         results, log = realise.realise(ws, choice.flake.fdl, variant, source, out_link, plan.build_timeout_s)
@@ -154,6 +143,62 @@ def build(
         record.forget(ws.state)
     caches.note(log, plan.nix.substituters, notes)
     return built
+
+
+def preview(
+    plan: BuildPlan,
+    ws: Workspace,
+    choice: Choice,
+    source: Source | None,
+    gpus: Gpus | None,
+    notes: list[str],
+    scratch: str,
+) -> DryRun | None:
+    """Step 7 of `fdl-prepare check`: what `build` would build and
+    substitute, decided the same way, asked of Nix with a dry run; None
+    when it would reuse an earlier attempt's outputs and build nothing.
+    Nothing is built, linked or recorded."""
+    if _reusable(ws, choice, source, notes) is not None:
+        return None
+    if choice.predicted is None:
+        return realise.dry_run(ws, choice.flake.fdl, choice.variant, source, scratch)
+    gated = f'{choice.flake.fdl}.ifVariants."{choice.predicted}"'
+    try:
+        dry = realise.dry_run(ws, gated, choice.variant, source, scratch)
+        notes.extend(choice.said)
+        return dry
+    except Fail as fail:
+        if fail.reason not in _NOT_BORNE_OUT:
+            raise
+    variant = choose.choose(plan, choose.evaluate(ws, choice.flake), gpus, notes)
+    return realise.dry_run(ws, choice.flake.fdl, variant, source, scratch)
+
+
+def _out_link(ws: Workspace, source: Source | None) -> str:
+    return os.path.join(ws.state, "gcroots", realise.run_links(source.fetched.url) if source else "run")
+
+
+def _reusable(ws: Workspace, choice: Choice, source: Source | None, notes: list[str]) -> record.Outputs | None:
+    """The outputs an earlier attempt recorded, when they are this one's
+    (the flake as locked, the source, the recipe and the variant) and
+    still in the store: then nothing is evaluated or built (a note says
+    so)."""
+    key = _outputs_key(choice.flake, choice.variant, source)
+    known = choice.recorded
+    if (
+        key is None
+        or known is None
+        or known.outputs is None
+        or known.outputs.key != key
+        or not record.still_there(known.outputs.results, _out_link(ws, source))
+    ):
+        return None
+    notes.append(
+        "nothing evaluated: the flake, the training source, the recipe and the variant are those of an "
+        f"earlier attempt, whose outputs are still in the store ({os.path.join(ws.state, record.NAME)}; "
+        "--refresh evaluates anyway)"
+    )
+    return known.outputs
 
 
 def _early_fetch(plan: BuildPlan, ws: Workspace, known: record.Record | None, held: ExitStack) -> PendingFetch | None:

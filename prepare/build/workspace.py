@@ -78,6 +78,10 @@ class Workspace:
     nix: runner.Nix
     step: Phases
     system: str
+    # A check's own directory (`inspect`), removed when it ends: where its
+    # Nix keeps the empty registry and the dry run its recipe, so that
+    # nothing is written under `state`. None on an attempt.
+    scratch: str | None = None
 
 
 def open(
@@ -125,6 +129,79 @@ def open(
     # directory's to remove, and no other attempt is using it.
     held.enter_context(_nix_tmp(where, nix))
     return Workspace(state=where, nix=nix, step=step, system=runner.system())
+
+
+def inspect(
+    plan: BuildPlan,
+    notes: list[str],
+    progress: Progress | None,
+    held: ExitStack,
+    *,
+    nix_program: str = "nix",
+    env: Mapping[str, str] | None = None,
+) -> tuple[Workspace, bool]:
+    """Step 4 of `fdl-prepare check`: the state directory judged as `open`
+    judges it and proven writable by a probe (or, when missing, the place
+    it would be made in), and a Nix recent enough; nothing is made, and the
+    lock is not taken (only said, when another prepare holds it). What the
+    steps after it write (the flake registry, the recipe) goes to a scratch
+    directory of this check's, removed with `held`. Returns the workspace
+    and whether the state directory exists."""
+    where = plan.state_dir
+    var = "state_dir (--state-dir)"
+    exists = state.vet(where, plan.state_origin, var, change=False)
+    if exists:
+        dirs.probe(where, f"the state directory {where}", plan.state_origin, var=var)
+        gcroots = os.path.join(where, "gcroots")
+        if os.path.isdir(gcroots):
+            dirs.probe(gcroots, "the state directory's gcroots", plan.state_origin, var=var)
+        _note_holder(os.path.join(where, "lock"), lock_wait_s(plan.build_timeout_s), notes)
+    base_env = os.environ if env is None else env
+    tmpdir = runner.build_tmpdir(base_env)
+    if tmpdir is not None:
+        notes.append(
+            f"TMPDIR {base_env.get('TMPDIR', '/tmp')!r} cannot be entered by Nix's build users (a single-user Nix "
+            f"as root builds there as them): an attempt's nix would build under {tmpdir} instead"
+        )
+    scratch = tempfile.mkdtemp(prefix="fdl-prepare-check.")
+    held.callback(shutil.rmtree, scratch, ignore_errors=True)
+    nix = runner.Nix(
+        scratch,
+        program=nix_program,
+        env=env,
+        on_event=progress,
+        substituters=plan.nix.substituters,
+        trusted_public_keys=plan.nix.trusted_public_keys,
+    )
+    nix.check_version()
+    step = Phases(progress)
+    held.callback(step.end)
+    return Workspace(state=where, nix=nix, step=step, system=runner.system(), scratch=scratch), exists
+
+
+def _note_holder(path: str, wait_s: float, notes: list[str]) -> None:
+    """Say when another prepare holds the state lock now: an attempt would
+    wait for it. Asked without taking it for longer than the asking (a
+    shared lock, let go at once), and never by making the file."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        notes.append(
+            f"another fdl-prepare holds {path} now: an attempt would wait for it (up to {human.duration(wait_s)}) "
+            "before its build steps"
+        )
+    except OSError:
+        pass
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def lock_wait_s(build_timeout_s: float | None) -> float:

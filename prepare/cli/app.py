@@ -3,7 +3,8 @@
 The options come from the field table (prepare.config.fields): one per
 [join] key, defaulting to "not given", so defaults and precedence live in
 prepare.config.resolve alone. The commands are the default one (prepare
-this box), `gpus` (the survey), `publish` (build once, substitute
+this box), `check` (what an attempt would do, doing nothing), `gpus` (the
+survey, and the gate's verdict on it), `publish` (build once, substitute
 everywhere) and `completion` (a shell's completion script, made from this
 parser). Only this package prints (besides `print_notes`), and every
 outcome, with its exit code, is written by prepare.cli.report.
@@ -33,9 +34,16 @@ DESCRIPTION = (
 )
 EPILOG = "Exit codes: 0 prepared, 75 transient (retry), 78 permanent (stop), 2 usage, 70 a bug (stop), 130 interrupted."
 GPUS_HELP = (
-    "Survey the GPUs and print them: NVIDIA through NVML (after CUDA_VISIBLE_DEVICES), AMD from the amdgpu "
-    "driver's KFD topology (after ROCR_VISIBLE_DEVICES and HIP_VISIBLE_DEVICES), each numbered as its runtime "
-    "numbers it."
+    "Survey the GPUs and say whether an attempt would pass the GPU gate with them: NVIDIA through NVML (after "
+    "CUDA_VISIBLE_DEVICES), AMD from the amdgpu driver's KFD topology (after ROCR_VISIBLE_DEVICES and "
+    "HIP_VISIBLE_DEVICES), each numbered as its runtime numbers it, judged by the config's devices, expect_gpus "
+    "and driver_dir. A health check: exit 0 ready, 78 the gate would stop the box, 75 a fabric still coming up."
+)
+CHECK_HELP = (
+    "Settle everything an attempt would, except what changes the box or costs minutes: the config, the GPU gate, "
+    "the dataset root (an sshfs source is reached, not mounted), the local directories (proven, not made), the "
+    "flake, the source and the variant; then say what the build would substitute and build (`nix build "
+    "--dry-run`). Exits as the attempt would: 0, 75, 78."
 )
 PUBLISH_HELP = (
     "Build the run's outputs for each variant, sign them, copy them to a binary cache, then write .fdl-run.toml "
@@ -51,6 +59,12 @@ COMPLETION_HELP = (
 # writes into the manifest, where it outranks the boxes' own). Same flags,
 # same checks.
 PUBLISH_SHARED = ("flake", "state_dir", "build_timeout", "source.smoke")
+# The keys `gpus` judges the cards by: the gate's.
+GPUS_KEYS = ("devices", "expect_gpus", "driver_dir")
+# The commands that read the config, and the root options they take, given
+# before their word as after it (after it wins): `check` is an attempt's.
+TAKES_CONFIG: dict[str, tuple[str, ...] | None] = {"gpus": GPUS_KEYS, "check": None}
+CONFIG_HELP = "TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present."
 
 
 class Interrupted(KeyboardInterrupt):
@@ -173,11 +187,7 @@ def parser(table: Table = TABLE) -> Parser:
     from prepare import __version__
 
     root = Parser(prog=NAME, description=DESCRIPTION, epilog=EPILOG)
-    root.add_argument(
-        "--config",
-        metavar="PATH",
-        help="TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present.",
-    )
+    root.add_argument("--config", metavar="PATH", help=CONFIG_HELP)
     for f in table.fields:
         _add_field(root, f, f.param)
     root.add_argument("--json", action="store_true", help="Print one JSON object on stdout: the Prepared, or the Fail.")
@@ -186,8 +196,21 @@ def parser(table: Table = TABLE) -> Parser:
     )
     commands = root.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
 
+    check = _command(commands, "check", CHECK_HELP, f"{NAME} check [OPTIONS]")
+    check.add_argument("--config", dest="check.config", metavar="PATH", help=CONFIG_HELP)
+    for f in table.fields:
+        _add_field(check, f, f"check.{f.param}")
+    check.add_argument(
+        "--json", dest="check.json", action="store_true", help="Print one JSON object on stdout: the check."
+    )
+
     gpus = _command(commands, "gpus", GPUS_HELP, f"{NAME} gpus [OPTIONS]")
-    gpus.add_argument("--json", dest="gpus.json", action="store_true", help="Print the survey as JSON on stdout.")
+    gpus.add_argument("--config", dest="gpus.config", metavar="PATH", help=CONFIG_HELP)
+    for f in _keys(table, GPUS_KEYS).fields:
+        _add_field(gpus, f, f"gpus.{f.param}")
+    gpus.add_argument(
+        "--json", dest="gpus.json", action="store_true", help="Print the survey and the gate's verdict as JSON."
+    )
 
     publish = _command(commands, "publish", PUBLISH_HELP, f"{NAME} publish [OPTIONS] SOURCE_DIR")
     publish.add_argument(
@@ -260,7 +283,17 @@ def _command(commands: Any, name: str, help: str, usage_line: str) -> Parser:
 
 
 def _shared(table: Table) -> Table:
-    return Table([table.by_key[key] for key in PUBLISH_SHARED if key in table.by_key])
+    return _keys(table, PUBLISH_SHARED)
+
+
+def _keys(table: Table, keys: Sequence[str]) -> Table:
+    return Table([table.by_key[key] for key in keys if key in table.by_key])
+
+
+def _taken(command: str, table: Table) -> Table:
+    """The fields `command` takes from the config and the command line."""
+    keys = TAKES_CONFIG.get(command, ())
+    return table if keys is None else _keys(table, keys)
 
 
 def flags(table: Table, given: argparse.Namespace | Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -345,10 +378,13 @@ def _commands(parser: argparse.ArgumentParser) -> dict[str, Parser]:
 
 def _nothing_for(given: argparse.Namespace, table: Table) -> None:
     """Before a command, the root's --json is the command's (`fdl-prepare
-    --json gpus` prints JSON, as `fdl-prepare gpus --json` does); any other
-    root option would be silently ignored there, so it is a usage error."""
-    ignored = [f.flag for f in table.fields if getattr(given, f.param) not in (None, [])]
-    if given.config is not None:
+    --json gpus` prints JSON, as `fdl-prepare gpus --json` does), and so are
+    --config and the options of the fields it takes (TAKES_CONFIG); any
+    other root option would be silently ignored there, so it is a usage
+    error."""
+    taken = {f.key for f in _taken(given.command, table).fields}
+    ignored = [f.flag for f in table.fields if f.key not in taken and getattr(given, f.param) not in (None, [])]
+    if given.config is not None and given.command not in TAKES_CONFIG:
         ignored.insert(0, "--config")
     if not ignored:
         return
@@ -374,15 +410,42 @@ def _publish_args(given: argparse.Namespace, publish: Parser) -> None:
         )
 
 
+def _spec(given: argparse.Namespace, table: Table, command: str | None = None) -> Any:
+    """The PrepareSpec of the config file and the options: the root's, and
+    after a command's word (`command`) that command's own, which win. For
+    a command that takes only some fields, only those are read from the
+    options (the file is read whole: it is the unit's)."""
+    from prepare import config
+
+    values = vars(given)
+    own = None if command is None else values.get(f"{command}.config")
+    path = config.find_path(own if own is not None else given.config, os.environ)
+    file = config.load(path, table=table) if path is not None else {}
+    given_flags = flags(table, given)
+    if command is not None:
+        taken = _taken(command, table)
+        given_flags = _merged(flags(taken, given), flags(taken, given, f"{command}."))
+    return config.resolve(file, given_flags, os.environ, table=table)
+
+
+def _merged(under: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested option values, `over`'s winning key by key."""
+    out = dict(under)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def _prepare(given: argparse.Namespace, table: Table) -> int:
     report = Report(NAME, as_json=given.json)
 
     def work() -> Any:
-        from prepare import config, pipeline
+        from prepare import pipeline
 
-        path = config.find_path(given.config, os.environ)
-        file = config.load(path, table=table) if path is not None else {}
-        spec = config.resolve(file, flags(table, given), os.environ, table=table)
+        spec = _spec(given, table)
         progress = None
         if spec.wants_build:
             from prepare.cli import progress as display
@@ -393,14 +456,45 @@ def _prepare(given: argparse.Namespace, table: Table) -> int:
     return report.outcome(work)
 
 
+# `gpus` takes no --cpu-only: a box that should not be gated is told how it
+# is not, instead.
+GPUS_CPU_ONLY = (
+    "or, if this box is meant to train on its CPU, it needs no GPU health check: set cpu_only = true under "
+    "[join], and an attempt skips the gate"
+)
+
+
 def _gpus(given: argparse.Namespace, table: Table) -> int:
     report = Report(f"{NAME} gpus", as_json=given.json or vars(given)["gpus.json"])
 
     def work() -> Any:
         from prepare.gpu import gate
-        from prepare.spec import DRIVER_DIR
+        from prepare.gpu.devices import CPU_ONLY_ADVICE
+        from prepare.plan import gate_plan
 
-        return gate.survey(os.environ, driver_dir=DRIVER_DIR)
+        plan = gate_plan(_spec(given, table, "gpus"))
+        advice = CPU_ONLY_ADVICE.set(GPUS_CPU_ONLY)
+        try:
+            return gate.health(plan, report.notes)
+        finally:
+            CPU_ONLY_ADVICE.reset(advice)
+
+    return report.outcome(work)
+
+
+def _check(given: argparse.Namespace, table: Table) -> int:
+    report = Report(f"{NAME} check", as_json=given.json or vars(given)["check.json"])
+
+    def work() -> Any:
+        from prepare import pipeline
+
+        spec = _spec(given, table, "check")
+        progress = None
+        if spec.wants_build:
+            from prepare.cli import progress as display
+
+            progress = display.renderer(sys.stderr)
+        return pipeline.check(spec, report.notes, progress=progress)
 
     return report.outcome(work)
 
@@ -448,6 +542,7 @@ def _completion(given: argparse.Namespace, table: Table) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Table], int]] = {
     "prepare": _prepare,
+    "check": _check,
     "gpus": _gpus,
     "publish": _publish,
     "completion": _completion,

@@ -9,7 +9,9 @@ interrupted.
 - A result (a Prepared, a Published, a GPU survey): with `--json`, one
   JSON object on stdout, the notes in it; else the notes and a summary for
   people on stderr (a survey's tables on stdout). A new kind of result is
-  one entry in `_shown`.
+  one entry in `_shown`. A result that says the box is not ready (a check,
+  the GPUs' health) carries the Fail an attempt would stop on: it exits
+  as that Fail would, its failure lines written as a Fail's are.
 - A Fail: its kind, reason and message, as JSON or for people, and 75 or 78.
 - An interruption (SIGINT, or SIGTERM, which the command turns into one):
   130; the subprocess seam has stopped any child by then.
@@ -109,6 +111,7 @@ class Report:
 
     def done(self, result: Any, seconds: float) -> int:
         shown = _shown(result)
+        stopped = shown.stopped(result) if shown.stopped is not None else None
         if self.as_json:
             out = result.to_json()
             if shown.notes_in_json:
@@ -117,6 +120,10 @@ class Report:
             print(json.dumps(out))
         else:
             shown.human(self, result, seconds)
+            if stopped is not None:
+                return self.fail(stopped)
+        if stopped is not None:
+            return EXIT_PERMANENT if stopped.permanent else EXIT_TRANSIENT
         return EXIT_OK
 
     def fail(self, fail: Fail) -> int:
@@ -183,6 +190,9 @@ class Shown:
     human: Callable[[Report, Any, float], None]
     # Whether the JSON object carries the notes (a survey's are its own).
     notes_in_json: bool = True
+    # The Fail a result says an attempt would stop on (None: it would not):
+    # its exit code is the result's.
+    stopped: Callable[[Any], Fail | None] | None = None
 
 
 def _rows(rows: list[tuple[str, str]]) -> None:
@@ -224,22 +234,63 @@ def _published(report: Report, done: Any, seconds: float) -> None:
     _rows(rows)
 
 
-def _surveyed(report: Report, survey: Any, seconds: float) -> None:
+def _width() -> int:
+    """The terminal's columns: COLUMNS, else stdout's tty, else 80."""
+    import shutil
+
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def _health(report: Report, health: Any, seconds: float) -> None:
     from prepare.gpu import table
 
-    print(table.format_table(survey))
-    health = table.format_health(survey)
-    if health:
-        print("\n" + health)
-    print_notes(report.name, survey.notes)
+    width = _width()
+    if health.survey is not None:
+        print(table.format_table(health.survey, width))
+        lines = table.format_health(health.survey, width)
+        if lines:
+            print("\n" + lines)
+        print()
+    if health.skipped:
+        verdict = "ready: an attempt skips the GPU gate (cpu_only)"
+    elif health.fail is None:
+        vendor, offered = health.survey.offered_for(None)
+        cards = ", ".join(str(i) for i in offered)
+        verdict = (
+            f"ready: an attempt would pass the GPU gate, offering {'AMD' if vendor == 'amd' else 'NVIDIA'} GPU {cards}"
+        )
+    else:
+        verdict = f"not ready: an attempt would stop at the GPU gate ({health.fail.kind}, {health.fail.reason})"
+    print(human.wrapped(f"{report.name}: {verdict}", width, "  "))
+    if health.ready:
+        print_notes(report.name, report.notes)
+
+
+def _checked(report: Report, checked: Any, seconds: float) -> None:
+    width = _width()
+    name_width = max(len(name) for name in checked.steps)
+    for name, step in checked.steps.items():
+        line = f"  {name:<{name_width}}  {step.verdict}" + (f": {step.detail}" if step.detail else "")
+        print(human.wrapped(printable(redact(line)), width, " " * (name_width + 2)))
+    for label, paths in (("would substitute", checked.substitute), ("would build", checked.build)):
+        if paths:
+            print(f"{label} ({len(paths)}):")
+            for path in paths[: checked.LISTED]:
+                print(f"  {printable(path)}")
+            if len(paths) > checked.LISTED:
+                print(f"  ... and {len(paths) - checked.LISTED} more (--json lists them all)")
+    print(human.wrapped(f"{report.name}: {checked.summary()}", width, "  "))
+    if checked.ready:
+        print_notes(report.name, report.notes)
 
 
 # How each kind of result a command returns is shown: one line here for
 # each, by the module and name of its type.
 _KINDS: tuple[tuple[str, str, Shown], ...] = (
     ("prepare.spec", "Prepared", Shown(_prepared)),
+    ("prepare.spec", "Checked", Shown(_checked, stopped=lambda c: c.fail)),
     ("prepare.publish.spec", "Published", Shown(_published)),
-    ("prepare.gpu.devices", "Gpus", Shown(_surveyed, notes_in_json=False)),
+    ("prepare.gpu.gate", "Health", Shown(_health, stopped=lambda h: h.fail)),
 )
 
 

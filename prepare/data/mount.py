@@ -24,7 +24,7 @@ import stat
 import time
 from collections.abc import Mapping
 
-from prepare.data import listing
+from prepare.data import listing, url
 from prepare.data.url import Source, sshfs_argv
 from prepare.fail import Fail
 from prepare.host import human, mounts, proc
@@ -71,19 +71,129 @@ def establish(source: Source, mountpoint: str, ssh: SshSpec, list_timeout_s: flo
             )
             listing.verify(mountpoint, list_timeout_s, mounted_from=source)
             return
-        mode = "read-only" if existing.read_only else "read-write (ranks only read it; ro is expected)"
-        notes.append(
-            f"{mountpoint} is already mounted from `{existing.source}` ({existing.fstype}, {mode}); reusing it"
-        )
+        notes.append(_reused(existing, mountpoint) + "; reusing it")
         return
 
+    notes.append(_foreign(existing, mountpoint, source))
+    listing.verify(mountpoint, list_timeout_s, mounted_from=source, foreign=True)
+
+
+def inspect(source: Source, mountpoint: str, ssh: SshSpec, list_timeout_s: float, notes: list[str]) -> tuple[str, str]:
+    """What `establish` would do at `mountpoint`, found out without
+    mounting or unmounting: a mount there is judged (and listed) as
+    `establish` judges it; with none, or a dead one of ours, the source is
+    reached as the mount would reach it (`reach`). Returns a verdict ("ok",
+    "would mount", "would remount") and what was found; raises the Fail the
+    attempt would."""
+    existing = mounts.mounted_at(mountpoint)
+    if existing is None:
+        return "would mount", reach(source, mountpoint, ssh, notes)
+    if _same_source(existing, source):
+        try:
+            listing.verify(mountpoint, list_timeout_s, mounted_from=source)
+        except listing.Disconnected:
+            return "would remount", (
+                f"the mount of `{source.remote}` at {mountpoint} has lost its sshfs process: an attempt unmounts "
+                f"it and mounts it again; {reach(source, mountpoint, ssh, notes)}"
+            )
+        return "ok", _reused(existing, mountpoint) + "; an attempt reuses it"
+    notes.append(_foreign(existing, mountpoint, source))
+    listing.verify(mountpoint, list_timeout_s, mounted_from=source, foreign=True)
+    return "ok", f"{mountpoint} carries a mount from `{existing.source}`, which an attempt leaves there"
+
+
+def reach(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> str:
+    """Everything the mount would need, short of mounting: sshfs there, the
+    identity file usable, the mountpoint a directory or one that can be
+    made (a probe directory made and removed beside where it would be),
+    and the far side reached with sftp, with the ssh options the mount
+    would use, and the source's directory found there (`cd`). A failure is
+    read as the mount's would be, so it has the attempt's reason and kind.
+    Returns what an attempt would mount."""
+    if proc.which("sshfs") is None:
+        raise _no_sshfs(source)
+    _check_identity(ssh)
+    made = _check_mountpoint(mountpoint)
+    mounted = f"`{source.remote}` read-only at {mountpoint}" + (" (the mountpoint made first)" if made else "")
+    sftp = proc.which("sftp")
+    if sftp is None:
+        notes.append(
+            f"sftp is not installed (openssh-client ships it), so the data host of `{source.url}` was not reached: "
+            "the first attempt's mount is the first to try it"
+        )
+        return mounted + "; the data host not reached (no sftp)"
+    _, own = url.ssh_options(ssh)
+    connects = sorted({key for key in own if key.lower() in url.SSHFS_CONNECTS})
+    if connects:
+        notes.append(
+            f"ssh.options sets {', '.join(connects)}, which changes how sshfs reaches the data host: the check "
+            "reached it with sftp over ssh instead, which the mount does not use"
+        )
+    argv = url.sftp_argv(source, ssh)
+    batch = url.sftp_batch(source.path)
+    where = f"reaching data_source `{source.url}` with sftp (as the mount at {mountpoint} would)"
+    verbose = [argv[0], "-v", *argv[1:]]
+    try:
+        done = proc.run(argv, timeout=MOUNT_TIMEOUT_S, stdin=batch if batch is not None else "pwd\n", cwd="/")
+    except proc.ExecFailed as failed:
+        raise Fail(
+            "data.unreachable", f"{where}: sftp could not be started ({failed}); the next attempt retries"
+        ) from None
+    except proc.TimedOut as late:
+        raise Fail(
+            "data.unreachable",
+            f"{where}: sftp did not finish within {MOUNT_TIMEOUT_S:g}s (the far side accepts connections but does "
+            f"not answer){_quoted(late.stderr, 'sftp')}",
+        ) from None
+    if not done.ok:
+        raise _sshfs_failed(where, done, done.stderr, verbose, source, tool="sftp")
+    if batch is None:
+        notes.append(
+            f"the remote path {source.path!r} of data_source has characters sftp's batch mode cannot be given "
+            "safely: the host was reached, the directory not looked at"
+        )
+        return mounted + "; the data host reached (sftp)"
+    return mounted + f"; the data host reached and {source.path} found there (sftp)"
+
+
+def _check_mountpoint(mountpoint: str) -> bool:
+    """The mountpoint as `_ensure_mountpoint` would find it, without making
+    it: a directory (False), or missing with a directory above it where a
+    probe directory can be made and removed (True, an attempt makes it)."""
+    if os.path.isdir(mountpoint):
+        return False
+    if os.path.lexists(mountpoint):
+        raise Fail(
+            "data.mountpoint-unusable",
+            f"the mountpoint {mountpoint} for data_source exists and is not a directory; remove it, "
+            f"or set `data_path` to a directory this user owns.",
+        )
+    from prepare.host import dirs
+
+    anchor = dirs.nearest_existing(mountpoint)
+    probe = os.path.join(anchor, f".fdl-prepare-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        if not os.path.isdir(anchor):
+            raise NotADirectoryError(20, "Not a directory", anchor)
+        os.mkdir(probe, 0o700)
+        os.rmdir(probe)
+    except OSError as err:
+        raise _uncreatable(mountpoint, err) from None
+    return True
+
+
+def _reused(existing: mounts.Mount, mountpoint: str) -> str:
+    mode = "read-only" if existing.read_only else "read-write (ranks only read it; ro is expected)"
+    return f"{mountpoint} is already mounted from `{existing.source}` ({existing.fstype}, {mode})"
+
+
+def _foreign(existing: mounts.Mount, mountpoint: str, source: Source) -> str:
     unmount = f"fusermount -u {mountpoint}" if existing.is_fuse else f"sudo umount {mountpoint}"
-    notes.append(
+    return (
         f"{mountpoint} already carries a mount from `{existing.source}` ({existing.fstype}), not the "
         f"configured data_source `{source.url}`; leaving it alone, and the ranks will read whatever is "
         f"mounted there. To mount the configured source instead: `{unmount}`, then run again."
     )
-    listing.verify(mountpoint, list_timeout_s, mounted_from=source, foreign=True)
 
 
 def _same_source(mount: mounts.Mount, source: Source) -> bool:
@@ -108,14 +218,18 @@ def _ensure_mountpoint(mountpoint: str) -> None:
     try:
         os.makedirs(mountpoint, exist_ok=True)
     except OSError as err:
-        user = human.user()
-        raise Fail(
-            "data.mountpoint-unusable",
-            f"the mountpoint {mountpoint} for data_source does not exist and cannot be created: "
-            f"{human.oserror(err)}. Create it once during provisioning "
-            f"(`sudo mkdir -p {mountpoint} && sudo chown {user} {mountpoint}`), or set `data_path` "
-            f"to a directory this user owns.",
-        ) from None
+        raise _uncreatable(mountpoint, err) from None
+
+
+def _uncreatable(mountpoint: str, err: OSError) -> Fail:
+    user = human.user()
+    return Fail(
+        "data.mountpoint-unusable",
+        f"the mountpoint {mountpoint} for data_source does not exist and cannot be created: "
+        f"{human.oserror(err)}. Create it once during provisioning "
+        f"(`sudo mkdir -p {mountpoint} && sudo chown {user} {mountpoint}`), or set `data_path` "
+        f"to a directory this user owns.",
+    )
 
 
 def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None) -> None:
@@ -364,8 +478,11 @@ def host_key_fix(host: str, port: int | None) -> str:
     )
 
 
-def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str], source: Source) -> Fail:
-    """Why sshfs exited non-zero, from what it (or its verbose retry) said."""
+def _sshfs_failed(
+    where: str, done: proc.Completed, said: str, verbose: list[str], source: Source, *, tool: str = "sshfs"
+) -> Fail:
+    """Why sshfs (or the check's sftp, `tool`) exited non-zero, from what it
+    (or its verbose retry) said."""
     everything = f"{done.stderr}\n{said}"
     if _HOST_KEY.search(everything):
         changed = "CHANGED" in everything.upper() and "IDENTIFICATION" in everything.upper()
@@ -395,7 +512,7 @@ def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str
         in_file = any(not line.startswith(("fuse: ", "command-line")) for line in refused)
         return Fail(
             "config.invalid",
-            f"{where}: ssh cannot use the options it was given (sshfs said: {' / '.join(refused)}). "
+            f"{where}: ssh cannot use the options it was given ({tool} said: {' / '.join(refused)}). "
             f"That is this box's configuration, not the far side: fix `ssh.options` (flag "
             f"--ssh-option: ssh_config options as Key=Value, or sshfs's own)"
             f"{' or the ssh_config file named there' if in_file else ''}. "
@@ -403,7 +520,7 @@ def _sshfs_failed(where: str, done: proc.Completed, said: str, verbose: list[str
         )
     return Fail(
         "data.unreachable",
-        f"{where} failed: sshfs exited {done.returncode}{_quoted(said)}. Try it by hand: `{shlex.join(verbose)}`",
+        f"{where} failed: {tool} exited {done.returncode}{_quoted(said, tool)}. Try it by hand: `{shlex.join(verbose)}`",
     )
 
 
@@ -447,10 +564,10 @@ def _unmount(mountpoint: str) -> None:
     )
 
 
-def _quoted(stderr: str) -> str:
+def _quoted(stderr: str, tool: str = "sshfs") -> str:
     text = " ".join(line.strip() for line in stderr.strip().splitlines() if line.strip())
     if not text:
         return ""
     if len(text) > 2000:
         text = text[:2000] + " ..."
-    return f"; sshfs said: {text}"
+    return f"; {tool} said: {text}"

@@ -86,6 +86,26 @@ def ensure(plan: DataPlan, notes: list[str]) -> str | None:
     return plan.path
 
 
+def check(plan: DataPlan, notes: list[str]) -> tuple[str | None, str, str]:
+    """Step 2 of `fdl-prepare check`: what `ensure` would settle, settled
+    without mounting. A bare `data_path` is listed as an attempt lists it;
+    a mount already at the mountpoint is judged as `ensure` judges it; an
+    sshfs source not mounted yet is reached with sftp, with the options
+    the mount would use (prepare.data.mount.reach). Returns the path, a
+    verdict ("ok", "would mount", "would remount", "skipped") and what it
+    found; raises what the attempt would."""
+    notes.extend(plan.notes)
+    if plan.path is None:
+        return None, "skipped", "no dataset root declared (data_path, data_source): the run keeps its own default"
+    from prepare.data import listing, mount
+
+    if plan.source is None:
+        listing.verify(plan.path, plan.list_timeout_s, mounted_from=None)
+        return plan.path, "ok", f"{plan.path} is a listable directory"
+    verdict, said = mount.inspect(plan.source, plan.path, plan.ssh, plan.list_timeout_s, notes)
+    return plan.path, verdict, said
+
+
 # -- one mounter at a time ---------------------------------------------------
 
 

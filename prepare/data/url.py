@@ -320,3 +320,95 @@ def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> l
     # Options end at `--` (fuse's option parser honours it), so the source
     # and the mountpoint are never read as options, whatever they hold.
     return [*argv, "--", source.remote, mountpoint]
+
+
+# -- reaching the source without mounting it (`fdl-prepare check`) -------------------
+
+# Options of sshfs and of FUSE (sshfs(1), mount.fuse(8)) an operator may put
+# in ssh.options, which the mount takes for itself and ssh never sees; the
+# rest are ssh_config options, as sshfs hands them to ssh. Compared in
+# lower case: ssh's keywords are case-insensitive, sshfs's and FUSE's are
+# lower case.
+SSHFS_OWN = frozenset(
+    {
+        "reconnect", "delay_connect", "sshfs_sync", "no_readahead", "sync_readdir", "sshfs_debug", "cache",
+        "cache_timeout", "cache_max_size", "cache_stat_timeout", "cache_dir_timeout", "cache_link_timeout",
+        "dcache_timeout", "dcache_max_size", "dcache_stat_timeout", "dcache_dir_timeout", "dcache_link_timeout",
+        "dcache_clean_interval", "dcache_min_clean_interval", "dir_cache", "idmap", "uidfile", "gidfile", "nomap",
+        "ssh_command", "ssh_protocol", "sftp_server", "directport", "vsock", "slave", "passive", "disable_hardlink",
+        "transform_symlinks", "follow_symlinks", "no_check_root", "password_stdin", "max_read", "max_write",
+        "max_conns", "workaround", "kernel_cache", "auto_cache", "ro", "rw", "allow_other", "allow_root",
+        "default_permissions", "uid", "gid", "umask", "fsname", "subtype", "noatime", "nodev", "nosuid", "noexec",
+        "auto_unmount", "large_read", "entry_timeout", "attr_timeout", "negative_timeout", "ac_attr_timeout",
+        "big_writes", "modules", "blkdev", "blksize", "max_background", "congestion_threshold", "nonempty",
+    }
+)  # fmt: skip
+# Of those, the ones that change how sshfs reaches the host: with one set,
+# sftp over ssh is not the way the mount connects.
+SSHFS_CONNECTS = frozenset({"ssh_command", "ssh_protocol", "sftp_server", "directport", "vsock", "slave", "passive"})
+
+# What sftp's batch mode takes unquoted in a path, and quoted: a path with
+# anything else (a quote, a backslash, a control character) is not given
+# to it.
+_PLAIN_PATH = re.compile(r"[A-Za-z0-9/._+@%,=~:-]+")
+_QUOTABLE_PATH = re.compile(r"[^\"\\\x00-\x1f\x7f*?\[\]]+")
+
+
+def ssh_options(ssh: SshSpec | None) -> tuple[list[str], list[str]]:
+    """The ssh block's options that are ssh's (`Key=Value`, unescaped), as
+    the mount would hand them to ssh, and the keys of those that are
+    sshfs's or FUSE's own."""
+    given: list[str] = []
+    own: list[str] = []
+    if ssh is None:
+        return given, own
+    for option in ssh.options:
+        text = option.strip()
+        if text.startswith("-o"):
+            text = text[2:].strip()
+        if not text:
+            continue
+        match = _KEY_VALUE.match(text)
+        key = (match.group(1) if match else text.split("=", 1)[0]).strip()
+        if match is None or key.lower() in SSHFS_OWN:
+            own.append(key)
+            continue
+        given.append(f"{match.group(1)}={match.group(2).strip()}")
+    if ssh.identity_file:
+        key_file = ssh.identity_file
+        if any(c.isspace() for c in key_file):
+            key_file = f'"{key_file}"'
+        given.append(f"IdentityFile={key_file}")
+    return given, own
+
+
+def sftp_argv(source: Source, ssh: SshSpec | None = None) -> list[str]:
+    """An sftp command, in batch mode (its commands on stdin), that reaches
+    the source's host with the ssh options the mount would use: the ssh
+    block's first (OpenSSH keeps the first value it sees), the source's
+    port, then the mount's own defaults that are ssh's."""
+    argv = ["sftp", "-b", "-"]
+    given, _ = ssh_options(ssh)
+    for option in given:
+        argv += ["-o", option]
+    if source.port is not None:
+        argv += ["-o", f"Port={source.port}"]
+    for default in SSHFS_DEFAULTS:
+        if "=" in default:
+            argv += ["-o", default]
+    argv += ["-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
+    host = f"[{source.host}]" if ":" in source.host else source.host
+    # `--` ends the options; the destination names no path, since sftp
+    # would download a path that is a file.
+    return [*argv, "--", f"{source.user}@{host}" if source.user else host]
+
+
+def sftp_batch(path: str) -> str | None:
+    """The batch that proves `path` is a directory there (`cd`), or None
+    for a path sftp's batch parser could misread (then only the host is
+    reached)."""
+    if _PLAIN_PATH.fullmatch(path):
+        return f"cd {path}\n"
+    if _QUOTABLE_PATH.fullmatch(path):
+        return f'cd "{path}"\n'
+    return None

@@ -59,6 +59,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prepare.gpu.devices import cpu_only
+
 TOPOLOGY = "/sys/class/kfd/kfd/topology/nodes"
 DRM = "/sys/class/drm"
 KFD = "/dev/kfd"
@@ -68,8 +70,6 @@ ROCR = "ROCR_VISIBLE_DEVICES"
 HIP = "HIP_VISIBLE_DEVICES"
 CUDA = "CUDA_VISIBLE_DEVICES"
 OVERRIDE = "HSA_OVERRIDE_GFX_VERSION"
-
-_CPU_ONLY = "or, for a CPU-only worker, pass --cpu-only (cpu_only = true under [join])"
 
 
 @dataclass(frozen=True)
@@ -445,23 +445,23 @@ def _blocked(path: str, err: OSError) -> str:
             "refused no AMD GPU is usable. `ls -l /dev/kfd /dev/dri/renderD*` shows the owning group, usually "
             f"render (Debian 11+, Ubuntu 20.04+) or video: `sudo usermod -aG render,video {login}`, then log in "
             "again (a systemd unit: SupplementaryGroups=render video); in a container pass the devices and "
-            f"groups in (--device=/dev/kfd --device=/dev/dri --group-add render --group-add video), {_CPU_ONLY}"
+            f"groups in (--device=/dev/kfd --device=/dev/dri --group-add render --group-add video), {cpu_only()}"
         )
     if err.errno == errno.ENOENT:
         return (
             f"{path} does not exist although the amdgpu driver publishes GPUs in {TOPOLOGY}: the ROCm "
             "runtime cannot start without it. In a container pass it in (--device=/dev/kfd --device=/dev/dri); "
-            f"on the host udev creates it (`ls -l /dev/kfd`, `sudo udevadm trigger`), {_CPU_ONLY}"
+            f"on the host udev creates it (`ls -l /dev/kfd`, `sudo udevadm trigger`), {cpu_only()}"
         )
     if err.errno == errno.EPERM:
         return (
             f"the device cgroup refuses {path} ({_why(err)}): a container started without "
             "--device=/dev/kfd --device=/dev/dri, or a systemd unit with DevicePolicy=closed or strict "
-            f"(allow it: DeviceAllow=/dev/kfd rw and DeviceAllow=char-drm rw), {_CPU_ONLY}"
+            f"(allow it: DeviceAllow=/dev/kfd rw and DeviceAllow=char-drm rw), {cpu_only()}"
         )
     return (
         f"{path} cannot be opened ({_why(err)}): the ROCm runtime cannot start. `sudo dmesg | grep -i amdgpu` "
-        f"shows the driver's view (a GPU reset in progress answers EAGAIN until it is done), {_CPU_ONLY}"
+        f"shows the driver's view (a GPU reset in progress answers EAGAIN until it is done), {cpu_only()}"
     )
 
 

@@ -4,6 +4,7 @@ it for NVIDIA cards, prepare.gpu.amd for AMD ones; prepare.gpu.gate decides on i
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,18 @@ if TYPE_CHECKING:
 
 NVIDIA = "nvidia"
 AMD = "amd"
+
+# What a message that stops the gate offers a box that should never have
+# been gated: a CPU-only worker. It is a command's words, not the gate's:
+# an attempt takes --cpu-only, `fdl-prepare gpus` (a health check of the
+# cards) does not, and says what fits it instead (prepare.cli.app).
+CPU_ONLY = "or, for a CPU-only worker, pass --cpu-only (cpu_only = true under [join])"
+CPU_ONLY_ADVICE: ContextVar[str] = ContextVar("cpu_only_advice", default=CPU_ONLY)
+
+
+def cpu_only() -> str:
+    """The advice for a CPU-only worker, in the running command's words."""
+    return CPU_ONLY_ADVICE.get()
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prepare.fail import Fail
+from prepare.gpu.devices import cpu_only
 from prepare.host import human, proc
 from prepare.host.state import write_at
 from prepare.spec import DRIVER_DIR
@@ -98,11 +99,15 @@ def kernel_version() -> str | None:
     return found.group(1) if found else ""
 
 
-def ensure(directory: str, notes: list[str]) -> None:
+def ensure(directory: str, notes: list[str], *, change: bool = True) -> None:
     """Make `directory` the links the box's NVIDIA driver needs, when the box
     has NVIDIA cards and is not NixOS. Raises a permanent Fail when the
     libraries are missing or of another version than the kernel module, or
-    the directory cannot be written."""
+    the directory cannot be written. `change` False: the same judgement of
+    the libraries and of the directory, and a note of what an attempt would
+    link, with nothing linked or made (`fdl-prepare check`, `fdl-prepare
+    gpus`); the host's NVML is then loaded from where the linker cache lists
+    it, as the attempt would have it from the directory."""
     kernel = kernel_version()
     if kernel is None or is_nixos():
         return
@@ -110,7 +115,10 @@ def ensure(directory: str, notes: list[str]) -> None:
     if libraries is None:
         return
     _check_versions(libraries, kernel)
-    _link(directory, libraries, kernel, notes)
+    if change:
+        _link(directory, libraries, kernel, notes)
+    else:
+        _preview(directory, libraries, notes)
 
 
 def _host_libraries(notes: list[str]) -> list[Library] | None:
@@ -188,8 +196,7 @@ def _check_versions(libraries: Sequence[Library], kernel: str) -> None:
             f"cache (`ldconfig -p`) lists no {' and no '.join(missing)}: the driver's user-space libraries are not "
             "installed, so no program can use the GPUs. Install them at the kernel module's version (Debian: "
             "`sudo apt install nvidia-driver libcuda1` from non-free; Ubuntu: `sudo apt install "
-            "libnvidia-compute-<branch>`, with <branch> the module's), then `sudo ldconfig`; or, for a CPU-only "
-            "worker, pass --cpu-only (cpu_only = true under [join]).",
+            f"libnvidia-compute-<branch>`, with <branch> the module's), then `sudo ldconfig`; {cpu_only()}.",
         )
     if not kernel:
         return
@@ -274,6 +281,85 @@ def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list
             f"driver directory {directory}: links to the host's NVIDIA{version} libraries "
             f"({len(wanted)} in all: {', '.join(parts)}), where Nix-built programs look for the driver"
         )
+
+
+def _preview(directory: str, libraries: Sequence[Library], notes: list[str]) -> None:
+    """What `_link` would do to `directory`, said in a note, after the same
+    judgement of every directory on the way; nothing is made or linked. The
+    directory (or, while it is missing, the nearest one on its way) must
+    take a probe link, made and removed at once."""
+    path = os.path.normpath(directory)
+    hosts = {os.path.dirname(lib.path) for lib in libraries} | {
+        os.path.dirname(os.path.realpath(lib.path)) for lib in libraries
+    }
+    if path in hosts:
+        raise _refused(
+            directory,
+            "is where the host's own libraries are (the linker cache lists its NVIDIA libraries there)",
+            f"leave driver_dir out for {DRIVER_DIR}, or point it at a directory that holds nothing but these links",
+        )
+    current, missing = "/", ""
+    parts = [p for p in path.split("/") if p]
+    for index, part in enumerate(parts):
+        here = os.path.join(current, part)
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            missing = here
+            break
+        _judge(directory, here, st, index == len(parts) - 1)
+        current = here
+    wanted = {lib.name: lib.path for lib in libraries}
+    try:
+        _probe_link(current)
+    except OSError as err:
+        raise _unwritable(directory, err) from None
+    if missing:
+        notes.append(
+            f"driver directory {directory}: an attempt would make it (from {missing}) and link the host's "
+            f"{len(wanted)} NVIDIA libraries there, where Nix-built programs look for the driver"
+        )
+    else:
+        stale = [name for name, target in wanted.items() if _readlink_at(os.path.join(path, name)) != target]
+        if stale:
+            notes.append(
+                f"driver directory {directory}: an attempt would link {len(stale)} of the host's {len(wanted)} "
+                f"NVIDIA libraries there anew ({', '.join(sorted(stale)[:4])}{', ...' if len(stale) > 4 else ''})"
+            )
+    if _readlink_at(os.path.join(path, NVML)) != wanted.get(NVML):
+        _load_host_nvml(wanted[NVML])
+
+
+def _probe_link(directory: str) -> None:
+    """Prove `directory` takes a link: one made under a name of ours and
+    removed at once."""
+    name = os.path.join(directory, f"{_TMP}probe.{os.getpid()}.{os.urandom(4).hex()}")
+    os.symlink("/nonexistent", name)
+    os.unlink(name)
+
+
+def _readlink_at(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+def _load_host_nvml(path: str) -> None:
+    """The host's NVML loaded into this process (by the path its linker
+    cache lists, trusted as the directory's would be), so the survey of a
+    check finds what an attempt's finds through the directory it links."""
+    from prepare.host import trust
+
+    found = trust.doubt(path)
+    if found is not None:
+        raise Fail(
+            "gpu.driver-dir-untrusted",
+            f"GPU gate: NVML would be loaded from {path}, which the host's linker cache lists, but {found.path} "
+            f"{found.why}: whoever could change it could run code as this process. Fix: {found.fix}",
+        )
+    with contextlib.suppress(OSError):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
 
 
 def _readlink(fd: int, name: str) -> str | None:

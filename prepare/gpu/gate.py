@@ -25,7 +25,14 @@ Masks, in order:
 
 1. `CUDA_VISIBLE_DEVICES`, read as CUDA reads it (prepare.gpu.nvml).
 2. `devices` (`--devices`): the NVML indices, as `nvidia-smi` and
-   `fdl-prepare gpus` number them, that this box offers to the run.
+   `fdl-prepare gpus` number them, that this box offers to the run. A card
+   it names is one the operator means the run to have: unusable or sick,
+   it stops the box (`gpu.device-unhealthy`) rather than being left out
+   with a note as an unnamed one is (its fabric still coming up: transient).
+
+The same verdict serves `fdl-prepare gpus` as a health check (`health`):
+the survey, and the Fail an attempt would stop on, with the driver
+directory only looked at.
 
 AMD: the same image serves NVIDIA and AMD boxes, so the gate also surveys
 the AMD GPUs the amdgpu driver publishes (prepare.gpu.amd, its masks
@@ -42,18 +49,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prepare.fail import Fail
 from prepare.gpu import nvml
-from prepare.gpu.devices import AMD, NVIDIA, Device, Gpus
-from prepare.gpu.nvml import CPU_ONLY, NvmlUnusable
+from prepare.gpu.devices import AMD, NVIDIA, Device, Gpus, cpu_only
+from prepare.gpu.nvml import NvmlUnusable
 from prepare.spec import DRIVER_DIR
 
 if TYPE_CHECKING:
     from prepare.gpu.amd import AmdGpus
 
-__all__ = ["AMD", "NVIDIA", "Device", "GatePlan", "Gpus", "check", "survey"]
+__all__ = ["AMD", "NVIDIA", "Device", "GatePlan", "Gpus", "Health", "check", "health", "survey"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,56 @@ class GatePlan:
     devices: tuple[int, ...] | None = None
     expect_gpus: int | None = None
     driver_dir: str = DRIVER_DIR
+
+
+@dataclass(frozen=True)
+class Health:
+    """`fdl-prepare gpus`: the survey, and whether an attempt on this box
+    would pass the gate with it. `fail` is what would stop it (the survey
+    itself failing included: then `survey` is None); `skipped` says the
+    gate would not run at all (cpu_only), whatever the cards."""
+
+    survey: Gpus | None
+    fail: Fail | None = None
+    skipped: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.fail is None
+
+    def to_json(self) -> dict[str, Any]:
+        survey = {} if self.survey is None else self.survey.to_json()
+        return {
+            "kind": "gpus",
+            "schema": 1,
+            "ready": self.ready,
+            "gate_skipped": self.skipped,
+            **survey,
+            "devices": survey.get("devices", []),
+            "fail": None if self.fail is None else self.fail.to_json(),
+        }
+
+
+def health(plan: GatePlan, notes: list[str]) -> Health:
+    """The gate run as a health check: the survey and its verdict, the
+    driver directory only looked at. A box set cpu_only is ready whatever
+    its cards (an attempt skips the gate); its survey, if one can be made,
+    is still shown."""
+    if plan.cpu_only:
+        notes.append(
+            "cpu_only is set: an attempt skips the GPU gate, so the cards below do not decide whether this box is ready"
+        )
+        try:
+            return Health(surveyed(plan, notes, change=False), skipped=True)
+        except Fail as fail:
+            notes.append(f"no GPU survey: {fail.message}")
+            return Health(None, skipped=True)
+    try:
+        gpus = surveyed(plan, notes, change=False)
+    except Fail as failed:
+        return Health(None, failed)
+    judged, stopped = verdict(plan, gpus, notes)
+    return Health(judged, stopped)
 
 
 def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR) -> Gpus:
@@ -95,10 +152,12 @@ def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR
     return replace(gpus, amd=amd, notes=gpus.notes + amd.notes)
 
 
-def check(plan: GatePlan, notes: list[str]) -> Gpus | None:
+def check(plan: GatePlan, notes: list[str], *, change: bool = True) -> Gpus | None:
     """The pipeline step: survey, apply `devices`, and refuse a box that
     offers no usable GPU. Every note gathered is appended to `notes`, also
-    when a Fail is raised."""
+    when a Fail is raised. `change` False (`fdl-prepare check`, `fdl-prepare
+    gpus`): the driver directory is looked at and what an attempt would
+    link there said, but nothing is linked (prepare.gpu.driver_dir)."""
     if plan.cpu_only:
         notes.append("GPU gate skipped: cpu_only is set, so only the cpu libtorch variant can be used.")
         if plan.devices is not None:
@@ -107,63 +166,132 @@ def check(plan: GatePlan, notes: list[str]) -> Gpus | None:
         if plan.expect_gpus is not None:
             notes.append(f"expect_gpus ({plan.expect_gpus}) is ignored with cpu_only: no GPU is checked.")
         return None
+    gpus = surveyed(plan, notes, change=change)
+    judged, fail = verdict(plan, gpus, notes)
+    if fail is not None:
+        raise fail
+    return judged
 
+
+def surveyed(plan: GatePlan, notes: list[str], *, change: bool = True) -> Gpus:
+    """The survey as the gate takes it: after the driver directory (made,
+    or with `change` False only looked at), its notes appended to `notes`."""
     from prepare.gpu import driver_dir
 
     # Before NVML: on a box that is not NixOS, this is also where a
     # Nix-built fdl-prepare finds NVML itself.
-    driver_dir.ensure(plan.driver_dir, notes)
+    driver_dir.ensure(plan.driver_dir, notes, change=change)
     gpus = survey(driver_dir=plan.driver_dir)
     notes.extend(gpus.notes)
-    devices = gpus.devices
-    amd = gpus.amd
-    amd_devices = () if amd is None else amd.devices
-    if not devices and not amd_devices:
+    return gpus
+
+
+def verdict(plan: GatePlan, gpus: Gpus, notes: list[str]) -> tuple[Gpus, Fail | None]:
+    """The gate's verdict on a survey: `devices` applied, then whether the
+    box offers a usable, healthy GPU (and `expect_gpus` of them). Returns
+    the survey as far as the gate got with it (the masks applied, the
+    offered cards named), and the Fail that stops the box, or None."""
+    try:
+        _refuse_no_device(gpus)
+        gpus = _with_devices(plan, gpus, notes)
+        return _judged(plan, gpus, notes), None
+    except Fail as fail:
+        return gpus, fail
+
+
+def _refuse_no_device(gpus: Gpus) -> None:
+    if not gpus.devices and (gpus.amd is None or not gpus.amd.devices):
         raise Fail(
             "gpu.no-device",
             f"GPU gate: NVML reports no NVIDIA device (driver {gpus.driver_version or 'version unknown'} is "
             "loaded). `nvidia-smi -L` and `lspci | grep -i nvidia` show what the machine has; a container "
-            f"needs the GPUs passed in (the NVIDIA container toolkit), {CPU_ONLY}.",
+            f"needs the GPUs passed in (the NVIDIA container toolkit), {cpu_only()}.",
         )
 
-    if plan.devices is not None:
-        wanted = tuple(dict.fromkeys(plan.devices))
-        amd_count = 0 if amd is None else amd.runtime_count
-        absent = [i for i in wanted if not (0 <= i < len(devices) or 0 <= i < amd_count)]
-        if absent and amd is None:
-            raise Fail(
-                "gpu.device-absent",
-                f"GPU gate: devices = {list(plan.devices)} (--devices) names "
-                + ", ".join(f"GPU {i}" for i in absent)
-                + f", but this box has {len(devices)} device(s), indices 0-{len(devices) - 1}. Change devices in [join] "
-                "(or --devices) to indices that exist; `fdl-prepare gpus` lists them.",
-            )
-        if absent:
-            have = [
-                f"{count} {vendor} GPU(s), indices 0-{count - 1}"
-                for vendor, count in (("NVIDIA", len(devices)), ("AMD", amd_count))
-                if count
-            ]
-            raise Fail(
-                "gpu.device-absent",
-                f"GPU gate: devices = {list(plan.devices)} (--devices) names "
-                + ", ".join(f"GPU {i}" for i in absent)
-                + f", but this box has {' and '.join(have) or 'no GPU the runtimes can see'} (each vendor numbers "
-                "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
-                "exist; `fdl-prepare gpus` lists them.",
-            )
-        kept = tuple(d for d in gpus.offered if d.index in wanted)
-        gpus = replace(gpus, offered=kept, devices_mask=wanted)
-        dropped: list[str] = [d.label() for d in devices if d.usable and gpus.masked_by(d.index) == "devices"]
-        if amd is not None:
-            amd = amd.with_devices(wanted)
-            gpus = replace(gpus, amd=amd)
-            dropped += [d.label() for d in amd.devices if d.usable and amd.masked_by(d.index) == "devices"]
-        if dropped:
-            line = f"devices = {list(wanted)} (--devices) leaves out " + ", ".join(dropped) + "."
-            notes.append(line)
-            gpus = replace(gpus, notes=gpus.notes + (line,))
 
+def _with_devices(plan: GatePlan, gpus: Gpus, notes: list[str]) -> Gpus:
+    """`devices` applied: a card it names must be there and able to train."""
+    devices = gpus.devices
+    amd = gpus.amd
+    if plan.devices is None:
+        return gpus
+    wanted = tuple(dict.fromkeys(plan.devices))
+    amd_count = 0 if amd is None else amd.runtime_count
+    absent = [i for i in wanted if not (0 <= i < len(devices) or 0 <= i < amd_count)]
+    if absent and amd is None:
+        raise Fail(
+            "gpu.device-absent",
+            f"GPU gate: devices = {list(plan.devices)} (--devices) names "
+            + ", ".join(f"GPU {i}" for i in absent)
+            + f", but this box has {len(devices)} device(s), indices 0-{len(devices) - 1}. Change devices in [join] "
+            "(or --devices) to indices that exist; `fdl-prepare gpus` lists them.",
+        )
+    if absent:
+        have = [
+            f"{count} {vendor} GPU(s), indices 0-{count - 1}"
+            for vendor, count in (("NVIDIA", len(devices)), ("AMD", amd_count))
+            if count
+        ]
+        raise Fail(
+            "gpu.device-absent",
+            f"GPU gate: devices = {list(plan.devices)} (--devices) names "
+            + ", ".join(f"GPU {i}" for i in absent)
+            + f", but this box has {' and '.join(have) or 'no GPU the runtimes can see'} (each vendor numbers "
+            "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
+            "exist; `fdl-prepare gpus` lists them.",
+        )
+    _refuse_named_sick(plan.devices, gpus)
+    kept = tuple(d for d in gpus.offered if d.index in wanted)
+    gpus = replace(gpus, offered=kept, devices_mask=wanted)
+    dropped: list[str] = [d.label() for d in devices if d.usable and gpus.masked_by(d.index) == "devices"]
+    if amd is not None:
+        amd = amd.with_devices(wanted)
+        gpus = replace(gpus, amd=amd)
+        dropped += [d.label() for d in amd.devices if d.usable and amd.masked_by(d.index) == "devices"]
+    if dropped:
+        line = f"devices = {list(wanted)} (--devices) leaves out " + ", ".join(dropped) + "."
+        notes.append(line)
+        gpus = replace(gpus, notes=gpus.notes + (line,))
+    return gpus
+
+
+def _refuse_named_sick(named: Sequence[int], gpus: Gpus) -> None:
+    """A card `devices` names is one the operator means to train on: when
+    it cannot (unusable, sick, or its fabric not up), the box stops, naming
+    it, rather than train on fewer cards with only a note to say so. Cards
+    CUDA_VISIBLE_DEVICES or the ROCm masks hide are the masks' business."""
+    wanted = set(named)
+    nvidia = [d for d in gpus.devices if d.index in wanted and gpus.masked_by(d.index) is None and not d.healthy]
+    amd = gpus.amd
+    amd_bad = []
+    if amd is not None and amd.blocked is None:
+        amd_bad = [a for a in amd.devices if a.index in wanted and not a.usable and amd.masked_by(a.index) is None]
+    if not nvidia and not amd_bad:
+        return
+    said = [
+        f"{d.label()} is unusable: {d.error}" if not d.usable else f"{d.label()}: {d.health_line()}" for d in nvidia
+    ] + [f"{a.label()} is unusable: {a.error}" for a in amd_bad]
+    head = f"GPU gate: devices = {list(named)} (--devices) names a card that cannot train: " + "; ".join(said) + ". "
+    if not amd_bad and all(d.usable and not d.problems for d in nvidia):
+        raise Fail(
+            "gpu.fabric-not-ready",
+            head + "Its NVLink fabric is still being set up: the next attempt retries; "
+            "`nvidia-smi -q | grep -i -A3 fabric` shows each card's fabric state.",
+        )
+    raise Fail(
+        "gpu.device-unhealthy",
+        head + "A card named in devices is one the run is meant to have, so the box stops rather than train "
+        "without it: fix the card as said above, or take it out of devices in [join] (--devices) until it is "
+        "fixed; `fdl-prepare gpus` shows each card's health.",
+    )
+
+
+def _judged(plan: GatePlan, gpus: Gpus, notes: list[str]) -> Gpus:
+    """Whether the masked survey offers a usable, healthy GPU, and as many
+    as `expect_gpus` asks for."""
+    devices = gpus.devices
+    amd = gpus.amd
+    amd_devices = () if amd is None else amd.devices
     usable = [d for d in devices if d.usable]
     usable_amd = [d for d in amd_devices if d.usable]
     if not usable and not usable_amd:
@@ -171,7 +299,7 @@ def check(plan: GatePlan, notes: list[str]) -> Gpus | None:
             "every device failed its queries: "
             + "; ".join(f"{d.label()}: {d.error}" for d in devices)
             + f". `nvidia-smi -q` shows the driver's view, `sudo dmesg | grep -i xid` shows GPU faults; "
-            f"a lost GPU needs a reset (`sudo nvidia-smi -r`) or a reboot, {CPU_ONLY}."
+            f"a lost GPU needs a reset (`sudo nvidia-smi -r`) or a reboot, {cpu_only()}."
         )
         if amd is None or not amd_devices:
             raise Fail("gpu.unusable", "GPU gate: no usable GPU: " + nvidia_why)
@@ -320,7 +448,7 @@ def _no_healthy(gpus: Gpus, left: Sequence[Device]) -> Fail:
         "GPU gate: no healthy GPU: "
         + _card_states(gpus)
         + ". `nvidia-smi -q -i <index>` shows the driver's view of a card, `sudo dmesg | grep -i xid` its faults; "
-        f"{CPU_ONLY}.",
+        f"{cpu_only()}.",
     )
 
 
@@ -330,7 +458,7 @@ def _no_usable_amd(amd: AmdGpus) -> str:
     return (
         "every AMD GPU is unusable: "
         + "; ".join(f"{d.label()}: {d.error}" for d in amd.devices)
-        + f". `ls -l /dev/kfd /dev/dri` and `sudo dmesg | grep -i amdgpu` show what is wrong, {CPU_ONLY}"
+        + f". `ls -l /dev/kfd /dev/dri` and `sudo dmesg | grep -i amdgpu` show what is wrong, {cpu_only()}"
     )
 
 

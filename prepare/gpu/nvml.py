@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prepare.fail import Fail
-from prepare.gpu.devices import Device, Gpus
+from prepare.gpu.devices import Device, Gpus, cpu_only
 
 if TYPE_CHECKING:
     from prepare.gpu.health import Check
@@ -55,8 +55,6 @@ _FUNCTION_NOT_FOUND = 13
 _GPU_IS_LOST = 15
 _LIB_RM_VERSION_MISMATCH = 18
 _NOT_READY = 27
-
-CPU_ONLY = "or, for a CPU-only worker, pass --cpu-only (cpu_only = true under [join])"
 
 
 class NvmlUnusable(Fail):
@@ -82,14 +80,14 @@ def _nvml_fail_message(said: str, code: int | None) -> Fail:
             "GPU gate: no NVIDIA driver is installed: the NVML library libnvidia-ml.so.1 was not found "
             f"({said}). Install the driver, which ships it (Debian: `sudo apt install nvidia-driver` "
             "from non-free; Ubuntu: `sudo ubuntu-drivers install`, or `sudo apt install nvidia-utils-<branch>` "
-            f"beside the kernel module), {CPU_ONLY}.",
+            f"beside the kernel module), {cpu_only()}.",
         )
     if code == _DRIVER_NOT_LOADED:
         return Fail(
             "gpu.driver-not-loaded",
             f"GPU gate: the NVIDIA kernel driver is not loaded ({said}). Load it with `sudo modprobe nvidia`; "
             "right after installing a driver, reboot. If it will not load, `sudo dmesg | grep -i nvidia` says "
-            f"why (Secure Boot refusing an unsigned module is common), {CPU_ONLY}.",
+            f"why (Secure Boot refusing an unsigned module is common), {cpu_only()}.",
         )
     if code == _LIB_RM_VERSION_MISMATCH:
         return Fail(
@@ -124,7 +122,7 @@ def _nvml_fail_message(said: str, code: int | None) -> Fail:
     return Fail(
         "gpu.nvml-failed",
         f"GPU gate: NVML failed ({said}). `nvidia-smi` shows the driver's own view of the problem; "
-        f"fix the driver, {CPU_ONLY}.",
+        f"fix the driver, {cpu_only()}.",
     )
 
 
@@ -147,7 +145,7 @@ def survey(env: Mapping[str, str], driver_dir: str) -> Gpus:
         raise NvmlUnusable(
             Fail(
                 "gpu.nvml-module-missing",
-                f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {CPU_ONLY}.",
+                f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {cpu_only()}.",
             ),
             "the Python module pynvml is missing",
         ) from None

@@ -1,44 +1,130 @@
 """`fdl-prepare gpus`: the survey as tables, one per vendor, and the
-health of each NVIDIA card."""
+health of each NVIDIA card, fitted to the terminal.
+
+A table fits `width` columns (prepare.cli.report passes the terminal's,
+80 when stdout is not one): the columns that identify a card least (the
+UUID, then the PCI address) are left out first, said under the head, since
+`--json` (and `nvidia-smi -L`) carry them; then the NAME is cut, with
+"..."; the STATUS column, which says why a card is not offered, is
+wrapped, never cut; only where even that leaves it no room does it move
+to lines of its own under the row. No line is ever wider than `width`.
+"""
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+
+from prepare.host.human import MIN_WIDTH, wrapped
 
 if TYPE_CHECKING:
     from prepare.gpu.amd import AmdGpus
     from prepare.gpu.devices import Gpus
 
 
-def format_table(gpus: Gpus) -> str:
+# What a wrapped STATUS column keeps at the least before it moves to
+# lines of its own.
+MIN_STATUS = 30
+
+
+def format_table(gpus: Gpus, width: int | None = None) -> str:
     """The survey as aligned plain text: one row per device, its status
     saying whether it is offered, masked (and by what) or unusable (and why).
-    A box with AMD GPUs gets a second table, numbered as ROCm numbers them."""
+    A box with AMD GPUs gets a second table, numbered as ROCm numbers them.
+    `width`: the columns every line fits in (None: no limit)."""
     if gpus.amd is None:
-        return _nvidia_table(gpus)
-    nvidia = f"NVIDIA: none ({gpus.nvidia_error})" if gpus.nvidia_error is not None else _nvidia_table(gpus)
-    return nvidia + "\n\n" + _amd_table(gpus.amd)
+        return _nvidia_table(gpus, width)
+    nvidia = (
+        wrapped(f"NVIDIA: none ({gpus.nvidia_error})", width)
+        if gpus.nvidia_error is not None
+        else _nvidia_table(gpus, width)
+    )
+    return nvidia + "\n\n" + _amd_table(gpus.amd, width)
 
 
-def _aligned(head: str, rows: Sequence[tuple[str, ...]], last: str) -> str:
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]) - 1)]
-    lines = [head]
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 3, 1)] + "..."
+
+
+def _aligned(
+    head: str,
+    rows: Sequence[tuple[str, ...]],
+    last: str,
+    width: int | None,
+    drop: Sequence[int] = (),
+    shrink: tuple[int, int] | None = None,
+) -> str:
+    """`rows` (the first is the header) in columns two spaces apart, the
+    last column free text. Within `width`, the first of these that works:
+    the columns as they are; without the `drop` columns, one more at a
+    time (said under the head); then the `shrink` column (index, narrowest)
+    cut as far as needed. Works means the whole last column fits beside
+    them, else that MIN_STATUS of it does (it wraps under itself); else a
+    status too long for its place goes on lines of its own under its row,
+    beside the first of them whose other columns fit."""
+    columns = len(rows[0]) - 1
+    natural = [max(len(row[c]) for row in rows) for c in range(columns)]
+    longest = max(len(row[-1]) for row in rows)
+    # Each layout: the width of each column, None for one left out.
+    layouts: list[list[int | None]] = [list(natural)]
+    if width is not None:
+        width = max(width, MIN_WIDTH)
+        for column in drop:
+            layouts.append([None if c == column else w for c, w in enumerate(layouts[-1])])
+        if shrink is not None:
+            column, narrowest = shrink
+            widths = list(layouts[-1])
+            shown = [w for w in widths if w is not None]
+            over = sum(shown) + 2 * len(shown) + MIN_STATUS - width
+            current = widths[column]
+            if over > 0 and current is not None:
+                widths[column] = max(min(narrowest, current), current - over)
+                layouts.append(widths)
+
+    def lead(widths: Sequence[int | None]) -> int:
+        shown = [w for w in widths if w is not None]
+        return sum(shown) + 2 * len(shown)
+
+    chosen = layouts[0]
+    if width is not None:
+        fitting = (
+            [w for w in layouts if lead(w) + longest <= width]
+            or [w for w in layouts if width - lead(w) >= MIN_STATUS]
+            or [w for w in layouts if lead(w) - 2 <= width]
+            or [layouts[-1]]
+        )
+        chosen = fitting[0]
+    room = None if width is None else width - lead(chosen)
+    left_out = [rows[0][c] for c, w in enumerate(chosen) if w is None]
+    if left_out:
+        head += f"\n({', '.join(left_out)} left out to fit {width} columns; --json has {'it' if len(left_out) == 1 else 'them'})"
+    lines = [wrapped(head, width)]
     for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)] + [row[-1]]
-        lines.append("  ".join(cells).rstrip())
-    lines.append(last)
+        cells = [_cut(cell, w).ljust(w) for cell, w in zip(row, chosen, strict=False) if w is not None]
+        status = row[-1]
+        if room is None or len(status) <= room:
+            lines.append("  ".join([*cells, status]).rstrip())
+        elif room >= MIN_STATUS:
+            parts = textwrap.wrap(status, room, break_on_hyphens=False)
+            lines.append("  ".join([*cells, parts[0]]).rstrip())
+            lines += [" " * lead(chosen) + part for part in parts[1:]]
+        else:
+            assert width is not None
+            lines.append(_cut("  ".join(cells).rstrip(), width))
+            lines.append(wrapped("     " + status, width))
+    lines.append(wrapped(last, width, "  "))
     return "\n".join(lines)
 
 
-def _nvidia_table(gpus: Gpus) -> str:
+def _nvidia_table(gpus: Gpus, width: int | None) -> str:
     cuda = gpus.cuda_driver_version
     head = (
         f"NVIDIA driver {gpus.driver_version or 'unknown'}, "
         f"CUDA {'unknown' if cuda is None else f'{cuda[0]}.{cuda[1]}'}"
     )
     if not gpus.devices:
-        return f"{head}\nno NVIDIA device"
+        return wrapped(f"{head}\nno NVIDIA device", width)
     offered = set(gpus.offered_indices)
     rows = [("IDX", "NAME", "UUID", "CC", "MEMORY", "STATUS")]
     for d in gpus.devices:
@@ -55,12 +141,14 @@ def _nvidia_table(gpus: Gpus) -> str:
         rows.append(
             (str(d.index), d.name or "-", d.uuid or "-", d.capability_label or "-", _gib(d.memory_total), status)
         )
-    return _aligned(head, rows, "offered: " + (", ".join(str(i) for i in gpus.offered_indices) or "none"))
+    offered_line = "offered: " + (", ".join(str(i) for i in gpus.offered_indices) or "none")
+    # Cut first what --json and `nvidia-smi -L` give whole: the UUID.
+    return _aligned(head, rows, offered_line, width, drop=(2,), shrink=(1, 16))
 
 
-def format_health(gpus: Gpus) -> str:
+def format_health(gpus: Gpus, width: int | None = None) -> str:
     """Each NVIDIA card's health checks, a line a card, with what fixes a
-    sick one; "" on a box without NVIDIA cards."""
+    sick one; "" on a box without NVIDIA cards. Lines wrap at `width`."""
     if not gpus.devices:
         return ""
     lines = ["NVIDIA health (NVML):"]
@@ -71,15 +159,15 @@ def format_health(gpus: Gpus) -> str:
         verdict = "sick" if d.problems else "not ready" if d.not_ready else "ok"
         lines.append(f"  GPU {d.index}: {verdict}: " + "; ".join(c.detail for c in d.health))
         lines += [f"    fix ({c.name}): {c.action}" for c in d.problems + d.not_ready if c.action]
-    return "\n".join(lines)
+    return "\n".join(wrapped(line, width, "  ") for line in lines)
 
 
-def _amd_table(amd: AmdGpus) -> str:
+def _amd_table(amd: AmdGpus, width: int | None) -> str:
     head = "AMD (amdgpu KFD topology)" + (
         f", HSA_OVERRIDE_GFX_VERSION: kernels for {amd.gfx_override}" if amd.gfx_override else ""
     )
     if not amd.devices:
-        return f"{head}\nno AMD GPU with compute units"
+        return wrapped(f"{head}\nno AMD GPU with compute units", width)
     if amd.blocked is not None:
         head += f"\nno AMD GPU is usable: {amd.blocked}"
     offered = set(amd.offered_indices)
@@ -109,7 +197,8 @@ def _amd_table(amd: AmdGpus) -> str:
                 status,
             )
         )
-    return _aligned(head, rows, "offered (AMD): " + (", ".join(str(i) for i in amd.offered_indices) or "none"))
+    offered_line = "offered (AMD): " + (", ".join(str(i) for i in amd.offered_indices) or "none")
+    return _aligned(head, rows, offered_line, width, drop=(4, 5), shrink=(2, 16))
 
 
 def _gib(size: int | None) -> str:

@@ -53,26 +53,45 @@ STAGE_DEFAULT = "/tmp"
 class LocalDirs:
     cache: str
     stage: str
+    # What an attempt would create (only a check, which creates nothing,
+    # leaves any): the dataset cache, when it is missing.
+    missing: tuple[str, ...] = ()
 
 
-def check(notes: list[str]) -> LocalDirs:
+def check(notes: list[str], *, change: bool = True) -> LocalDirs:
     """Create the dataset cache, find the stage, prove both writable.
 
     Raises a permanent `Fail` naming the directory, the error, the variable
     that chose it and the command that fixes it. Appends notes for a
-    RAM-backed directory, less than 1 GiB free, and an unset HOME."""
+    RAM-backed directory, less than 1 GiB free, and an unset HOME.
+
+    `change` False (`fdl-prepare check`): nothing is created. A missing
+    cache is judged by the directory it would be created in, which must
+    take the probe (written and removed, as every probe is)."""
     home, home_origin = _home(notes)
     cache = os.path.join(home, ".flodl", "data")
     what = f"dataset cache {cache}"
-    _create(cache, what, home_origin)
-    _probe(cache, what, home_origin)
+    missing: tuple[str, ...] = ()
+    if change:
+        _create(cache, what, home_origin)
+        _probe(cache, what, home_origin)
+    else:
+        anchor = _nearest_existing(cache)
+        if not os.path.isdir(cache):
+            if not os.path.isdir(anchor):
+                err = OSError(errno.ENOTDIR if anchor != cache else errno.EEXIST, "Not a directory")
+                raise _unusable(cache, what, home_origin, err, creating=True)
+            probe(anchor, what, home_origin, creating=cache)
+            missing = (cache,)
+        else:
+            _probe(cache, what, home_origin)
 
     stage, stage_origin = _stage()
     _probe(stage, f"stage directory {stage}", stage_origin)
 
-    _observe(cache, "dataset cache", "cached datasets", home_origin, notes)
+    _observe(_nearest_existing(cache), "dataset cache", "cached datasets", home_origin, notes)
     _observe(stage, "stage directory", "staged files", stage_origin, notes)
-    return LocalDirs(cache=cache, stage=stage)
+    return LocalDirs(cache=cache, stage=stage, missing=missing)
 
 
 # -- where the directories are ---------------------------------------------
@@ -161,7 +180,19 @@ def _create(path: str, what: str, origin: str, *, var: str | None = None) -> Non
         raise _unusable(path, what, origin, exc, creating=True, var=var) from None
 
 
-def _probe(directory: str, what: str, origin: str, *, var: str | None = None) -> None:
+def probe(directory: str, what: str, origin: str, *, var: str | None = None, creating: str | None = None) -> None:
+    """`_probe`, for a check of other steps (the state directory): with
+    `creating`, `directory` is where that missing directory would be made,
+    and a failure says it cannot be created."""
+    _probe(directory, what, origin, var=var, creating=creating)
+
+
+def nearest_existing(path: str) -> str:
+    """`path`, or the nearest directory above it that exists."""
+    return _nearest_existing(path)
+
+
+def _probe(directory: str, what: str, origin: str, *, var: str | None = None, creating: str | None = None) -> None:
     """Write, fsync and remove a probe. The name carries pid and thread id so
     concurrent prepares (a persist loop racing a manual run, or threads of
     one join loop) never touch each other's probe, and a random tail with
@@ -172,7 +203,7 @@ def _probe(directory: str, what: str, origin: str, *, var: str | None = None) ->
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
-        raise _unusable(directory, what, origin, exc, var=var) from None
+        raise _unusable(creating or directory, what, origin, exc, creating=creating is not None, var=var) from None
     failure: Fail | None = None
     try:
         try:
@@ -184,7 +215,7 @@ def _probe(directory: str, what: str, origin: str, *, var: str | None = None) ->
         finally:
             os.close(fd)
     except OSError as exc:
-        failure = _unusable(directory, what, origin, exc, var=var)
+        failure = _unusable(creating or directory, what, origin, exc, creating=creating is not None, var=var)
     finally:
         # The file was created, so it is removed whatever happened to the write:
         # a half-written probe on a full disk is exactly the one to clean up.

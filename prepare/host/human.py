@@ -6,6 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import pwd
+import textwrap
+
+# No terminal is this narrow; a COLUMNS of 5 is read as this.
+MIN_WIDTH = 24
 
 
 def size(n: int | float) -> str:
@@ -68,3 +72,18 @@ def printable(text: str, *, lines: bool = False) -> str:
         else:
             out.append(char)
     return "".join(out)
+
+
+def wrapped(text: str, width: int | None, indent: str = "") -> str:
+    """`text`, each of its lines wrapped to `width` (continuations under
+    `indent`), a word longer than a line broken."""
+    if width is None:
+        return text
+    width = max(width, MIN_WIDTH)
+    out: list[str] = []
+    for line in text.splitlines() or [""]:
+        lead = line[: len(line) - len(line.lstrip(" "))]
+        out += textwrap.wrap(
+            line, width, initial_indent="", subsequent_indent=lead + indent, break_on_hyphens=False
+        ) or [""]
+    return "\n".join(out)

@@ -157,20 +157,32 @@ def opened_dir(path: str, what: str, *, owned: bool = True, dir_fd: int | None =
         os.close(fd)
 
 
-def vet(state: str, origin: str, var: str) -> None:
+def vet(state: str, origin: str, var: str, *, change: bool = True) -> bool:
     """Create the state directory if missing, and refuse it (permanent)
     when it, or one of our entries in it, could send root's writes
     elsewhere: a symlink, the wrong type, another owner, or a directory
     others may write. `origin` says where the path came from and `var`
-    what moves it, for the messages. Creates `gcroots/`."""
+    what moves it, for the messages. Creates `gcroots/`.
+
+    `change` False (`fdl-prepare check`): the same judgement, with nothing
+    made or removed. A missing directory is judged by the place it would
+    be made in (that place must take a probe file, written and removed);
+    returns whether the directory exists."""
     from prepare.host import dirs
 
     what = f"state directory {state}"
     _refuse_system(state, origin, var)
+    if not change and not os.path.lexists(state):
+        anchor = dirs.nearest_existing(state)
+        if not os.path.isdir(anchor):
+            raise dirs.unusable(state, what, origin, OSError(errno.ENOTDIR, "Not a directory"), creating=True, var=var)
+        dirs.probe(anchor, what, origin, var=var, creating=state)
+        return False
     try:
-        os.makedirs(os.path.dirname(state), exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(state, 0o755)
+        if change:
+            os.makedirs(os.path.dirname(state), exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(state, 0o755)
     except OSError as err:
         raise dirs.unusable(state, what, origin, err, creating=True, var=var) from None
     if os.geteuid() == 0:
@@ -200,11 +212,12 @@ def vet(state: str, origin: str, var: str) -> None:
                 f"{stat.S_IMODE(mode):04o}): they could swap its entries for symlinks where root writes and "
                 f"removes. `sudo chmod go-w {state}`, or set {var} to a directory of this user's",
             )
-        _vet_entries(state, fd)
+        _vet_entries(state, fd, change=change)
     except OSError as err:
         raise dirs.unusable(state, what, origin, err, var=var) from None
     finally:
         os.close(fd)
+    return True
 
 
 def _refuse_system(state: str, origin: str, var: str) -> None:
@@ -232,7 +245,7 @@ def _refuse_system(state: str, origin: str, var: str) -> None:
         )
 
 
-def _vet_entries(state: str, fd: int) -> None:
+def _vet_entries(state: str, fd: int, *, change: bool = True) -> None:
     names = os.listdir(fd)
     strays = [n for n in names if n not in ENTRIES and n not in OTHER_ENTRIES and not _TMP_NAME.fullmatch(n)]
     if strays:
@@ -245,7 +258,7 @@ def _vet_entries(state: str, fd: int) -> None:
             f"/var/lib/fdl-prepare), or move those entries out",
         )
     for name in names:
-        if _TMP_NAME.fullmatch(name):
+        if change and _TMP_NAME.fullmatch(name):
             with contextlib.suppress(FileNotFoundError):
                 if not stat.S_ISDIR(os.lstat(name, dir_fd=fd).st_mode):
                     os.unlink(name, dir_fd=fd)
@@ -254,7 +267,7 @@ def _vet_entries(state: str, fd: int) -> None:
         try:
             st = os.lstat(name, dir_fd=fd)
         except FileNotFoundError:
-            if name != "gcroots":
+            if name != "gcroots" or not change:
                 continue
             with contextlib.suppress(FileExistsError):
                 os.mkdir(name, 0o755, dir_fd=fd)

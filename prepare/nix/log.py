@@ -92,6 +92,56 @@ class Activity:
         return strip_ansi(self.text)
 
 
+# What `nix build --dry-run` says it would do, one message a line: a head
+# per list, then a line per store path, two spaces in. The same words on
+# 2.8, 2.26 and 2.34 (seen on each): "this derivation will be built:",
+# "these 2 derivations will be built:", "this path will be fetched (0.00
+# MiB download, 0.00 MiB unpacked):" (2.34 sizes in KiB, MiB, ... as
+# fits), and "don't know how to build these paths" for a path neither
+# buildable nor on a cache.
+_WILL = re.compile(r"(?:this|these (\d+)) (?:derivations?|paths?) will be (built|fetched)(?: \(([^)]*)\))?:")
+_UNKNOWN = re.compile(r"don't know how to build these paths")
+_LISTED_PATH = re.compile(r"  (/\S+)")
+# How many store paths a list keeps (its count is kept whole): what a
+# closure of nixpkgs fetches is hundreds; a list never costs more than this.
+MAX_LISTED = 10_000
+
+
+@dataclass
+class Missing:
+    """What a dry run said the build would do: the derivations it would
+    build, the paths it would fetch from a cache (and their size, as Nix
+    put it), and paths it can do neither for."""
+
+    build: list[str] = field(default_factory=list)
+    fetch: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    # Each list's length as Nix counted it (a list keeps MAX_LISTED).
+    counts: dict[str, int] = field(default_factory=lambda: {"build": 0, "fetch": 0, "unknown": 0})
+    fetch_size: str | None = None
+    _into: str | None = None
+
+    def feed(self, text: str) -> None:
+        """One message of the call, in order."""
+        head = _WILL.fullmatch(text.strip())
+        if head is not None:
+            self._into = "build" if head.group(2) == "built" else "fetch"
+            if self._into == "fetch" and head.group(3):
+                self.fetch_size = head.group(3)
+            return
+        if _UNKNOWN.match(text.strip()):
+            self._into = "unknown"
+            return
+        listed = _LISTED_PATH.fullmatch(text.rstrip())
+        if listed is None or self._into is None:
+            self._into = None
+            return
+        self.counts[self._into] += 1
+        kept: list[str] = getattr(self, self._into)
+        if len(kept) < MAX_LISTED:
+            kept.append(listed.group(1))
+
+
 def _keep(kept: list[str], text: str) -> None:
     kept.append(text)
     if len(kept) > MAX_MESSAGES:
@@ -131,6 +181,8 @@ class Log:
         self.expected: dict[int, int] = {}
         self._done_seen = 0
         self._failed_seen = 0
+        # What a dry run said it would build and fetch (`Missing`).
+        self.missing = Missing()
 
     # -- reading ---------------------------------------------------------
     def feed(self, line: str) -> None:
@@ -159,7 +211,10 @@ class Log:
             self._result(record)
         elif action == "msg":
             level = record.get("level", 3)
-            text = _clean(str(record.get("msg", ""))).strip()
+            said = _clean(str(record.get("msg", "")))
+            if level == 0:
+                self.missing.feed(said)
+            text = said.strip()
             # A daemon's warnings reach its client at error level (the client
             # prints what the daemon sends as an error, 2.8 and 2.26 alike),
             # and "disabling binary cache" is printed as one: they say so.

@@ -108,6 +108,24 @@ class FlakeIdentity:
     locked_url: str
 
 
+@dataclass(frozen=True)
+class DryRun:
+    """What `nix build --dry-run` of an attempt's installables says the
+    build would do (nothing is built or fetched by asking): the derivations
+    it would build, the store paths it would substitute from a cache, and
+    their download size as Nix put it. `results` are the outputs the build
+    would make, in `nix build --json`'s shape."""
+
+    results: tuple[dict[str, Any], ...]
+    build: tuple[str, ...]
+    fetch: tuple[str, ...]
+    unknown: tuple[str, ...] = ()
+    fetch_size: str | None = None
+    # As Nix counted them (a list keeps prepare.nix.log.MAX_LISTED).
+    build_count: int = 0
+    fetch_count: int = 0
+
+
 @dataclass
 class Outcome:
     """A finished nix call: its result and what the log said."""
@@ -386,6 +404,47 @@ class Nix:
                 f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
             ) from None
         return results, outcome.log
+
+    def dry_run(
+        self,
+        installables: Sequence[str],
+        *,
+        overrides: Mapping[str, str] = {},
+        doing: str = "checking what a build would do",
+        source_path: str | None = None,
+        timeout: float = EVAL_TIMEOUT_S,
+    ) -> DryRun:
+        """`nix build --dry-run` of what `build` would be given: the flake
+        evaluated and the derivations written (.drv files, no outputs), what
+        is missing asked of the caches, nothing built, fetched or linked.
+        A failure is read as the build's would be (the same phase), so it
+        gets the reason the attempt's build would."""
+        self._ensure_registry()
+        argv = self._common() + ["build", "--dry-run", "--json", "--no-link", "--no-write-lock-file", "--no-eval-cache"]
+        for name, url in overrides.items():
+            argv += ["--override-input", name, url]
+        argv += ["--", *installables]
+        outcome = self._call(argv, timeout, doing, BUILD, source_path=source_path)
+        try:
+            # The lists are what is read; the outputs only where Nix gives them.
+            printed = outcome.completed.stdout.strip()
+            results = tuple(build_result(r) for r in _json(outcome.completed)) if printed else ()
+        except (ValueError, TypeError, RecursionError):
+            raise Fail(
+                "nix.unknown",
+                f"{doing}: nix build --dry-run printed no JSON result of a known shape "
+                f"({outcome.completed.stdout[:200]!r}); the next attempt retries",
+            ) from None
+        missing = outcome.log.missing
+        return DryRun(
+            results=results,
+            build=tuple(missing.build),
+            fetch=tuple(missing.fetch),
+            unknown=tuple(missing.unknown),
+            fetch_size=missing.fetch_size,
+            build_count=missing.counts["build"],
+            fetch_count=missing.counts["fetch"],
+        )
 
     def sign(self, paths: Sequence[str], key_file: str, *, doing: str, timeout: float = EVAL_TIMEOUT_S) -> Log:
         """`nix store sign --key-file` over the closure of `paths`, in the
