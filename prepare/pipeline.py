@@ -35,13 +35,14 @@ failed. Step modules are imported inside the steps, so `import prepare`
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from prepare.spec import Prepared, PrepareSpec, Progress
+from prepare.spec import Event, Prepared, PrepareSpec, Progress
 
 if TYPE_CHECKING:
     from prepare.build.realise import Built
@@ -85,6 +86,9 @@ class Step:
     # Whether the attempt needs the step at all (the build steps only for a
     # spec that asks for a libtorch or a source).
     wanted: Callable[[Attempt], bool] = lambda attempt: True
+    # What it is doing, for the progress display and systemd's status line
+    # (`STATUS=gate: checking the GPUs`).
+    doing: str = ""
 
 
 def _gate(a: Attempt) -> Attempt:
@@ -154,14 +158,14 @@ def _smokes(a: Attempt) -> bool:
 
 
 STEPS: tuple[Step, ...] = (
-    Step("gate", _gate),
-    Step("data", _data),
-    Step("dirs", _dirs),
-    Step("state", _state, _builds),
-    Step("variant", _variant, _builds),
-    Step("source", _source, _builds),
-    Step("build", _build, _builds),
-    Step("smoke", _smoke, _smokes),
+    Step("gate", _gate, doing="checking the GPUs"),
+    Step("data", _data, doing="checking the dataset root"),
+    Step("dirs", _dirs, doing="checking the node-local directories"),
+    Step("state", _state, _builds, doing="opening the state directory, checking nix"),
+    Step("variant", _variant, _builds, doing="choosing the libtorch variant"),
+    Step("source", _source, _builds, doing="fetching the training source"),
+    Step("build", _build, _builds, doing="building libtorch and the training binary"),
+    Step("smoke", _smoke, _smokes, doing="running the training binary's smoke run"),
 )
 
 
@@ -190,12 +194,23 @@ def run(
         for step in steps:
             if not step.wanted(attempt):
                 continue
+            _tell(progress, {"type": "step-start", "name": step.name, "detail": step.doing})
             start = time.monotonic()
+            ok = False
             try:
                 attempt = step.run(attempt)
+                ok = True
             finally:
                 timings[step.name] = round(time.monotonic() - start, 4)
+                _tell(progress, {"type": "step-done", "name": step.name, "seconds": timings[step.name], "ok": ok})
     return _prepared(attempt, timings)
+
+
+def _tell(progress: Progress | None, event: Event) -> None:
+    if progress is not None:
+        # A broken display must not break preparation.
+        with contextlib.suppress(Exception):
+            progress(event)
 
 
 def _prepared(a: Attempt, timings: dict[str, float]) -> Prepared:

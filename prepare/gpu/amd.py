@@ -59,6 +59,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prepare.notes import warning
+
 TOPOLOGY = "/sys/class/kfd/kfd/topology/nodes"
 DRM = "/sys/class/drm"
 KFD = "/dev/kfd"
@@ -328,7 +330,7 @@ def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
     if blocked is None:
         for d in devices:
             if not d.usable and d.index is not None:
-                notes.append(f"{d.label()} is unusable and will not be offered: {d.error}.")
+                notes.append(warning(f"{d.label()} is unusable and will not be offered: {d.error}."))
     return AmdGpus(
         devices=tuple(devices),
         offered=offered,
