@@ -95,18 +95,6 @@ def test_the_failure_line_names_its_reason_code(box: dict[str, str]) -> None:
     assert lines[-1] == "fdl-prepare: exit 78: retrying cannot help: fix the cause above, then run again"
 
 
-def test_a_transient_failure_line_names_its_reason_code(box: dict[str, str], tmp_path: Path) -> None:
-    # A flake no nix can fetch: a path that is not there yet (transient,
-    # as a flake mid-deploy is) costs no network.
-    done = fdl(box, "--cpu-only", "--libtorch", "cpu", "--flake", "path:/nonexistent/fdl-flake", timeout=120)
-    if done.returncode == 78 and "nix is not installed" in done.stderr:
-        pytest.skip("nix is not installed (apt install nix-bin)")
-    failure = [line for line in done.stderr.splitlines() if " failure [" in line]
-    assert len(failure) == 1, done.stderr
-    kind = "transient" if done.returncode == 75 else "permanent"
-    assert re.match(rf"fdl-prepare: {kind} failure \[[a-z]+\.[a-z-]+\]: ", failure[0]), failure[0]
-
-
 # -- -q and -v ---------------------------------------------------------------------------
 
 
@@ -164,6 +152,8 @@ def test_verbose_prints_each_command_run(
     assert any(" flake prefetch --json -- " + shlex.quote(url) in line for line in ran), ran
     assert any(line.endswith(" --version") and "/nix" in line for line in ran), ran
     assert "running:" not in plain.stderr
+    # A transient failure's line names its reason too.
+    assert "\nfdl-prepare: transient failure [source.unreachable]: " in "\n" + plain.stderr, plain.stderr
 
 
 def test_a_command_shown_under_verbose_has_its_credentials_hidden_and_is_bounded(capsys) -> None:  # type: ignore[no-untyped-def]
@@ -176,6 +166,35 @@ def test_a_command_shown_under_verbose_has_its_credentials_hidden_and_is_bounded
     assert said.startswith("fdl-prepare: running: git fetch https://***@git.example/train.git xxx")
     assert "hunter2-token" not in said
     assert len(said) < COMMAND_CHARS + 100 and said.rstrip().endswith("... (cut)")
+
+
+def test_notes_print_as_they_happen_not_after_the_build(
+    box: dict[str, str],
+    nix_env: dict[str, str],
+    test_flake: str,
+    git_source,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    from nix_fixtures import trainer
+
+    src = git_source(trainer())
+    argv = ["--cpu-only", "--libtorch", "cpu", "--flake", test_flake, "--state-dir", str(tmp_path / "state")]
+    done = fdl({**box, "NIX_CONFIG": nix_env["NIX_CONFIG"]}, *argv, "--source", src.url, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+
+    def first(test) -> int:  # type: ignore[no-untyped-def]
+        return next(i for i, line in enumerate(lines) if test(line))
+
+    fetched = first(lambda line: line.startswith("fdl-prepare: training source ") and " fetched: " in line)
+    building = first(lambda line: line == "fdl-prepare: building fdl-test-training-cpu")
+    built = first(lambda line: line.startswith("fdl-prepare: built: "))
+    summary = first(lambda line: line.startswith("fdl-prepare: prepared in "))
+    # The source step's note is out before the build step starts, the
+    # build's own note after its builds: each note once, where it happened.
+    assert fetched < building < built < summary, lines
+    assert len([line for line in lines if " fetched: " in line]) == 1
 
 
 def test_quiet_and_verbose_together_are_a_usage_error(box: dict[str, str]) -> None:

@@ -754,7 +754,9 @@ def _committed_flake(env: dict[str, str], tree: Path, nixpkgs: str) -> str:
     change is treated as dirty and has no `self.rev`, so an --override-input
     could not show the revision. Its HEAD."""
     flake = tree / "flake.nix"
-    pinned = re.sub(r'nixpkgs\.url = "github:NixOS/nixpkgs/[0-9a-f]{40}"', f'nixpkgs.url = "{nixpkgs}"', flake.read_text())
+    pinned = re.sub(
+        r'nixpkgs\.url = "github:NixOS/nixpkgs/[0-9a-f]{40}"', f'nixpkgs.url = "{nixpkgs}"', flake.read_text()
+    )
     assert pinned != flake.read_text(), "flake.nix must pin nixpkgs by a full revision"
     flake.write_text(pinned)
 
