@@ -695,11 +695,6 @@ in
         # scheduled (in a switch), whatever preparation's result.
         Type = "oneshot";
         RemainAfterExit = true;
-        # The unit's status line (`systemctl status`): fdl-prepare sends
-        # `STATUS=<step>: <what>` at each step through $NOTIFY_SOCKET, which
-        # systemd sets only where NotifyAccess= lets something send. main:
-        # fdl-prepare itself, never the builds or the binary it starts.
-        NotifyAccess = "main";
         ExecStart = "${pkgs.runtimeShell} ${startScript} ${switchLock}";
       };
     };
