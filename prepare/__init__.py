@@ -4,13 +4,16 @@
 
 The library never prints and never exits: `prepare` returns a `Prepared` or
 raises a `Fail` (`.permanent`, `.reason`, `.message`) and appends advisory lines to the
-caller's `notes`; only `print_notes` and the CLI write anything.
+caller's `notes`; only `print_notes` and the CLI write anything. A note
+that says something is wrong (a sick card left out) is still a `str`;
+`is_warning(note)` tells it apart, and `print_notes` writes it at warning
+priority when stderr is the journal.
 """
 
 from __future__ import annotations
 
 from prepare.fail import Fail
-from prepare.notes import print_notes
+from prepare.notes import is_warning, print_notes
 from prepare.pipeline import prepare
 from prepare.spec import Binary, DataSpec, Libtorch, NixSpec, Prepared, PrepareSpec, SourceSpec, SshSpec
 
@@ -27,6 +30,7 @@ __all__ = [
     "SourceSpec",
     "SshSpec",
     "__version__",
+    "is_warning",
     "prepare",
     "print_notes",
 ]
