@@ -336,3 +336,25 @@ def test_a_status_line_is_one_bounded_line_whatever_it_quotes() -> None:
     line = journal.status("source", "fetching git+https://h/x\nSTATUS=forged\r" + "y" * 5000)
     assert line.startswith("STATUS=source: fetching git+https://h/x\\nSTATUS=forged\\r")
     assert "\n" not in line and len(line) == len("STATUS=") + journal.STATUS_CHARS
+
+
+@pytest.mark.nix
+def test_under_systemd_a_build_names_its_source_and_its_builds_in_the_status_line(  # type: ignore[no-untyped-def]
+    box, notify_socket, nix_env, test_flake, git_source, tmp_path
+):
+    from nix_fixtures import trainer
+
+    address, sock = notify_socket
+    src = git_source(trainer())
+    argv = ["--cpu-only", "--libtorch", "cpu", "--flake", test_flake, "--state-dir", str(tmp_path / "state")]
+    env = {**box, "NOTIFY_SOCKET": address, "NIX_CONFIG": nix_env["NIX_CONFIG"]}
+
+    done = subprocess.run([console_script(), *argv, "--source", src.url], env=env, capture_output=True, timeout=300)
+
+    said = received(sock)
+    assert done.returncode == 0, done.stderr
+    steps = [line.removeprefix("STATUS=").split(":", 1)[0] for line in said]
+    assert list(dict.fromkeys(steps)) == ["gate", "data", "dirs", "state", "variant", "source", "build", "prepared"]
+    assert f"STATUS=source: fetching training source {src.url}" in said
+    assert any(line.startswith("STATUS=build: building ") and "training" in line for line in said), said
+    assert said[-1].startswith("STATUS=prepared: done in ")
