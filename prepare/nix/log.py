@@ -30,6 +30,9 @@ ACT_FILE_TRANSFER = 101
 ACT_BUILDS = 104
 ACT_BUILD = 105
 ACT_SUBSTITUTE = 108
+# A fetcher's own activity (`fetching Git repository ...`): Nix 2.8 starts
+# it untyped (0), later releases as actFetchTree.
+ACT_FETCH_TREE = 112
 # Result types.
 RES_BUILD_LOG_LINE = 101
 RES_SET_PHASE = 104
@@ -99,9 +102,9 @@ def _keep(kept: list[str], text: str) -> None:
 
 
 def _is_fetching(act: Activity) -> bool:
-    """An untyped activity whose text says it is fetching something: shown
-    as a download, like a typed file transfer."""
-    return act.type == 0 and act.text.lower().startswith("fetching ")
+    """A fetcher's activity (untyped on 2.8, actFetchTree later) whose text
+    says it is fetching something: shown as a fetch."""
+    return act.type in (0, ACT_FETCH_TREE) and act.text.lower().startswith("fetching ")
 
 
 class Log:
