@@ -267,6 +267,13 @@ def test_a_usage_error_under_json_is_a_json_object_of_kind_usage_with_exit_2(
     assert out["message"] and out["message"] in done.stderr
 
 
+def test_a_usage_error_hides_a_credential_the_bad_value_carries(box: dict[str, str]) -> None:
+    done = fdl(box, "--json", "--devices", "https://fdl:hunter2-token@git.example/x")
+    assert done.returncode == 2
+    assert "https://***@git.example/x" in json.loads(done.stdout)["message"]
+    assert "hunter2-token" not in done.stdout + done.stderr
+
+
 def test_a_usage_error_without_json_leaves_stdout_empty_even_when_a_value_says_json(box: dict[str, str]) -> None:
     # `--json` here is the smoke run's argument, not the option.
     done = fdl(box, "--smoke", "--json", "--no-such-flag")

@@ -108,11 +108,14 @@ class Usage(Exception):
 
 def usage(error: Usage, *, as_json: bool = False) -> int:
     """A usage error as click words one, on stderr; with `as_json`, also
-    as one JSON object on stdout (else stdout stays empty)."""
+    as one JSON object on stdout (else stdout stays empty). The message may
+    quote a flag's value: a credential in it is hidden, a control character
+    escaped."""
+    message = printable(redact(error.message))
     if as_json:
-        out = {"kind": "usage", "schema": SCHEMA, "message": error.message, "usage": error.usage}
+        out = {"kind": "usage", "schema": SCHEMA, "message": message, "usage": error.usage}
         print(json.dumps(out), flush=True)
-    say(f"Usage: {error.usage}\nTry '{error.command} -h' for help.\n\nError: {error.message}", FAILURE)
+    say(f"Usage: {error.usage}\nTry '{error.command} -h' for help.\n\nError: {message}", FAILURE)
     return EXIT_USAGE
 
 
