@@ -111,6 +111,8 @@
           fdl-prepare = pkgs.callPackage ./nix/app.nix {
             src = ./.;
             inherit flakeRef;
+            # dirtyRev: Nix 2.17 and later; on older ones a dirty tree is "unknown".
+            rev = self.rev or self.dirtyRev or "unknown";
           };
         in
         {

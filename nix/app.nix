@@ -3,6 +3,8 @@
 # `flakeRef` is this flake's own store path as a flake URL, so a box that runs
 # the app builds against exactly the flake that shipped it unless the operator
 # names another (`flake` in the config, or FDL_PREPARE_FLAKE in the unit).
+# `rev` is the flake's revision (`self.rev`, `self.dirtyRev` for a tree with
+# uncommitted changes, else "unknown"), which `fdl-prepare --version` names.
 {
   lib,
   python3Packages,
@@ -14,6 +16,7 @@
   git,
   src,
   flakeRef,
+  rev ? "unknown",
 }:
 let
   pyproject = builtins.fromTOML (builtins.readFile (src + "/pyproject.toml"));
@@ -34,6 +37,15 @@ python3Packages.buildPythonApplication {
   inherit (pyproject.project) version;
   pyproject = true;
   src = appSrc;
+
+  # The revision, as a module of the package (prepare.cli.app.revision
+  # reads it; a pip install has none and says "rev unknown"): part of the
+  # code that runs, not an environment variable a caller could set. The app
+  # is rebuilt with every change to the flake anyway (flakeRef above), so
+  # this costs no build it did not already pay for.
+  postPatch = ''
+    printf 'REVISION = %s\n' ${lib.escapeShellArg (builtins.toJSON rev)} > prepare/_revision.py
+  '';
 
   build-system = [ python3Packages.setuptools ];
   # rich: the live progress display on a terminal (the `live` extra).

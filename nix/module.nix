@@ -619,6 +619,11 @@ in
         # older releases refuse the unit.
         Type = "oneshot";
         RemainAfterExit = true;
+        # The unit's status line (`systemctl status`): fdl-prepare sends
+        # `STATUS=<step>: <what>` at each step through $NOTIFY_SOCKET, which
+        # systemd sets only where NotifyAccess= lets something send. main:
+        # fdl-prepare itself, never the builds or the binary it starts.
+        NotifyAccess = "main";
         ExecStart = "${lib.getExe' cfg.package "fdl-prepare"} --config ${configFile}";
         ExecStartPost = mkIf (cfg.gatedUnits != [ ]) [
           "${systemctl} start --no-block -- ${lib.concatStringsSep " " cfg.gatedUnits}"

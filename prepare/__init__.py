@@ -6,13 +6,15 @@ The library never prints and never exits: `prepare` returns a `Prepared` or
 raises a `Fail` (`.permanent`, `.reason`, `.message`) and appends advisory lines to the
 caller's `notes`; `check` says what an attempt would do without doing it (a `Checked`,
 whose `.fail` is the Fail the attempt would stop on); only `print_notes` and the CLI write
-anything.
+anything. A note that says something is wrong (a sick card left out) is still a `str`;
+`is_warning(note)` tells it apart, and `print_notes` writes it at warning priority when
+stderr is the journal.
 """
 
 from __future__ import annotations
 
 from prepare.fail import Fail
-from prepare.notes import print_notes
+from prepare.notes import is_warning, print_notes
 from prepare.pipeline import check, prepare
 from prepare.spec import (
     Binary,
@@ -43,6 +45,7 @@ __all__ = [
     "StepCheck",
     "__version__",
     "check",
+    "is_warning",
     "prepare",
     "print_notes",
 ]

@@ -49,6 +49,7 @@ attempt's, and ends the check there.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
@@ -56,7 +57,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from prepare.fail import Fail
-from prepare.spec import Checked, Prepared, PrepareSpec, Progress, StepCheck
+from prepare.spec import Checked, Event, Prepared, PrepareSpec, Progress, StepCheck
 
 if TYPE_CHECKING:
     from prepare.build.realise import Built
@@ -111,6 +112,9 @@ class Step:
     # spec that asks for a libtorch or a source), and, in a check, why not.
     wanted: Callable[[Attempt], bool] = _always
     skipped: str = ""
+    # What it is doing, for the progress display and systemd's status line
+    # (`STATUS=gate: checking the GPUs`).
+    doing: str = ""
 
 
 def _gate(a: Attempt) -> Attempt:
@@ -295,14 +299,21 @@ def _smoke_check(a: Attempt) -> tuple[Attempt, StepCheck]:
 _NO_BUILD = "no libtorch and no training source asked for (libtorch, source.from)"
 
 STEPS: tuple[Step, ...] = (
-    Step("gate", _gate, _gate_check),
-    Step("data", _data, _data_check),
-    Step("dirs", _dirs, _dirs_check),
-    Step("state", _state, _state_check, _builds, _NO_BUILD),
-    Step("variant", _variant, _variant_check, _builds, _NO_BUILD),
-    Step("source", _source, _source_check, _builds, _NO_BUILD),
-    Step("build", _build, _build_check, _builds, _NO_BUILD),
-    Step("smoke", _smoke, _smoke_check, _smokes, "the recipe asks for no smoke run (smoke)"),
+    Step("gate", _gate, _gate_check, doing="checking the GPUs"),
+    Step("data", _data, _data_check, doing="checking the dataset root"),
+    Step("dirs", _dirs, _dirs_check, doing="checking the node-local directories"),
+    Step("state", _state, _state_check, _builds, _NO_BUILD, doing="opening the state directory, checking nix"),
+    Step("variant", _variant, _variant_check, _builds, _NO_BUILD, doing="choosing the libtorch variant"),
+    Step("source", _source, _source_check, _builds, _NO_BUILD, doing="fetching the training source"),
+    Step("build", _build, _build_check, _builds, _NO_BUILD, doing="building libtorch and the training binary"),
+    Step(
+        "smoke",
+        _smoke,
+        _smoke_check,
+        _smokes,
+        "the recipe asks for no smoke run (smoke)",
+        doing="running the training binary's smoke run",
+    ),
 )
 
 
@@ -331,11 +342,15 @@ def run(
         for step in steps:
             if not step.wanted(attempt):
                 continue
+            _tell(progress, {"type": "step-start", "name": step.name, "detail": step.doing})
             start = time.monotonic()
+            ok = False
             try:
                 attempt = step.run(attempt)
+                ok = True
             finally:
                 timings[step.name] = round(time.monotonic() - start, 4)
+                _tell(progress, {"type": "step-done", "name": step.name, "seconds": timings[step.name], "ok": ok})
     return _prepared(attempt, timings)
 
 
@@ -374,9 +389,12 @@ def run_check(
             if not step.wanted(attempt):
                 verdicts[step.name] = StepCheck("skipped", step.skipped)
                 continue
+            _tell(progress, {"type": "step-start", "name": step.name, "detail": step.doing})
             start = time.monotonic()
+            ok = False
             try:
                 attempt, verdicts[step.name] = step.check(attempt)
+                ok = True
             except Fail as fail:
                 verdicts[step.name] = StepCheck("failed", f"{fail.kind} [{fail.reason}]")
                 for rest in steps[index + 1 :]:
@@ -384,10 +402,18 @@ def run_check(
                 return Checked(verdicts, fail=fail, timings=timings)
             finally:
                 timings[step.name] = round(time.monotonic() - start, 4)
+                _tell(progress, {"type": "step-done", "name": step.name, "seconds": timings[step.name], "ok": ok})
     dry = attempt.dry_run
     if dry is None:
         return Checked(verdicts, timings=timings)
     return Checked(verdicts, substitute=dry.fetch, build=dry.build, download=dry.fetch_size, timings=timings)
+
+
+def _tell(progress: Progress | None, event: Event) -> None:
+    if progress is not None:
+        # A broken display must not break preparation.
+        with contextlib.suppress(Exception):
+            progress(event)
 
 
 def _prepared(a: Attempt, timings: dict[str, float]) -> Prepared:

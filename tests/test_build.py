@@ -758,8 +758,9 @@ def test_a_prepare_waits_for_another_holding_the_state_lock_and_says_so(nix_env,
     assert got.libtorch.variant == "cpu"
     waits = [e for e in events if e["type"] == "step" and e["name"] == "wait"]
     assert len(waits) == 1 and lock in waits[0]["detail"] and "another fdl-prepare" in waits[0]["detail"]
-    # Said before anything else: the wait is the first thing shown.
-    assert events[0] is waits[0]
+    # Said before anything else: after the step's start, the wait is the first thing shown.
+    assert events[0]["type"] == "step-start" and events[0]["name"] == "state"
+    assert events[1] is waits[0]
     assert any(lock in n and "waited" in n for n in notes)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -36,12 +37,34 @@ def fdl(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.Comp
     return fdl_prepare(env, *args, timeout=timeout)
 
 
-def test_version_prints_the_package_version() -> None:
+def test_version_prints_the_package_version_and_rev_unknown_from_a_pip_install() -> None:
     from prepare import __version__
 
     done = fdl(dict(os.environ), "--version")
     assert done.returncode == 0
-    assert done.stdout.strip() == f"fdl-prepare {__version__}"
+    # A pip install carries no prepare/_revision.py (nix/app.nix writes one;
+    # tests/test_flake.py holds the app's to the flake's revision).
+    assert done.stdout.strip() == f"fdl-prepare {__version__} (rev unknown)"
+
+
+@pytest.mark.parametrize(
+    "argv", [["gpus", "--version"], ["publish", "--version"], ["completion", "--version"], ["--json", "--version"]]
+)
+def test_every_command_takes_version_after_its_word(argv: list[str]) -> None:
+    from prepare import __version__
+
+    done = fdl(dict(os.environ), *argv)
+    assert (done.returncode, done.stdout.strip()) == (0, f"fdl-prepare {__version__} (rev unknown)"), done.stderr
+
+
+def test_fdl_prepare_publish_takes_version() -> None:
+    from prepare import __version__
+
+    publish = Path(console_script()).with_name("fdl-prepare-publish")
+    if not publish.exists():
+        pytest.skip("the fdl-prepare-publish console script is not installed (pip install -e .)")
+    done = subprocess.run([str(publish), "--version"], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, f"fdl-prepare {__version__} (rev unknown)"), done.stderr
 
 
 def test_help_lists_the_exit_codes_and_the_gpus_subcommand() -> None:
@@ -65,10 +88,131 @@ def test_a_box_without_nvml_stops_at_the_gate_with_exit_78_and_names_cpu_only(bo
     assert "exit 78" in done.stderr
 
 
+def test_the_failure_line_names_its_reason_code(box: dict[str, str]) -> None:
+    done = fdl(box)
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("fdl-prepare: permanent failure [gpu.no-driver]: GPU gate: "), done.stderr
+    assert lines[-1] == "fdl-prepare: exit 78: retrying cannot help: fix the cause above, then run again"
+
+
+# -- -q and -v ---------------------------------------------------------------------------
+
+
+def _no_home(box: dict[str, str]) -> dict[str, str]:
+    """The box without HOME: the dirs step warns (prepare.notes.warning)."""
+    return {k: v for k, v in box.items() if k != "HOME"}
+
+
+def _not_tmpfs(text: str) -> list[str]:
+    """`text`'s lines but the warnings of a HOME or stage on tmpfs, which a
+    box whose /tmp is a tmpfs (Debian 13) adds to every run here."""
+    return [line for line in text.splitlines() if " is on tmpfs (mounted at " not in line]
+
+
+def test_quiet_prints_nothing_for_a_success_and_keeps_warnings(box: dict[str, str]) -> None:
+    plain = fdl(box, "--cpu-only", "-q")
+    warned = fdl(_no_home(box), "--cpu-only", "--quiet")
+
+    assert (plain.returncode, plain.stdout, _not_tmpfs(plain.stderr)) == (0, "", [])
+    assert warned.returncode == 0
+    assert len(_not_tmpfs(warned.stderr)) == 1 and _not_tmpfs(warned.stderr)[0].startswith("fdl-prepare: HOME is unset")
+
+
+def test_quiet_keeps_the_failure_and_works_after_a_command_word(box: dict[str, str]) -> None:
+    failed = fdl(box, "-q")
+    surveyed = fdl(box, "gpus", "-q")
+
+    for done, name in ((failed, "fdl-prepare"), (surveyed, "fdl-prepare gpus")):
+        assert done.returncode == 78, done.stderr
+        assert done.stderr.startswith(f"{name}: permanent failure [gpu.no-driver]: "), done.stderr
+
+
+def test_verbose_prints_each_steps_time(box: dict[str, str]) -> None:
+    done = fdl(box, "--cpu-only", "-v")
+    assert done.returncode == 0, done.stderr
+    for step in ("gate", "data", "dirs"):
+        assert re.search(rf"^fdl-prepare: {step}: done in \d+\.\d{{3}}s$", done.stderr, re.M), done.stderr
+    failed = fdl(box, "--verbose")
+    assert re.search(r"^fdl-prepare: gate: failed after \d+\.\d{3}s$", failed.stderr, re.M), failed.stderr
+
+
+def test_verbose_prints_each_command_run(
+    box: dict[str, str], nix_env: dict[str, str], test_flake: str, tmp_path: Path
+) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # Closed once the socket is gone: nix's fetch is refused, at once.
+    url = f"git+http://127.0.0.1:{port}/train.git?ref=main"
+    argv = ["--cpu-only", "--libtorch", "cpu", "--flake", test_flake, "--state-dir", str(tmp_path / "state")]
+    env = {**box, "NIX_CONFIG": nix_env["NIX_CONFIG"]}
+
+    verbose = fdl(env, *argv, "--source", url, "-v", timeout=300)
+    plain = fdl(env, *argv, "--source", url, timeout=300)
+
+    assert verbose.returncode == plain.returncode == 75, verbose.stderr
+    ran = [line for line in verbose.stderr.splitlines() if line.startswith("fdl-prepare: running: ")]
+    assert any(" flake prefetch --json -- " + shlex.quote(url) in line for line in ran), ran
+    assert any(line.endswith(" --version") and "/nix" in line for line in ran), ran
+    assert "running:" not in plain.stderr
+    # A transient failure's line names its reason too.
+    assert "\nfdl-prepare: transient failure [source.unreachable]: " in "\n" + plain.stderr, plain.stderr
+
+
+def test_a_command_shown_under_verbose_has_its_credentials_hidden_and_is_bounded(capsys) -> None:  # type: ignore[no-untyped-def]
+    from prepare.cli.report import COMMAND_CHARS, VERBOSE, Report
+
+    report = Report(level=VERBOSE)
+    report.command(["git", "fetch", "https://fdl:hunter2-token@git.example/train.git", "x" * 10_000])
+    said = capsys.readouterr().err
+
+    assert said.startswith("fdl-prepare: running: git fetch https://***@git.example/train.git xxx")
+    assert "hunter2-token" not in said
+    assert len(said) < COMMAND_CHARS + 100 and said.rstrip().endswith("... (cut)")
+
+
+def test_notes_print_as_they_happen_not_after_the_build(
+    box: dict[str, str],
+    nix_env: dict[str, str],
+    test_flake: str,
+    git_source,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    from nix_fixtures import trainer
+
+    src = git_source(trainer())
+    argv = ["--cpu-only", "--libtorch", "cpu", "--flake", test_flake, "--state-dir", str(tmp_path / "state")]
+    done = fdl({**box, "NIX_CONFIG": nix_env["NIX_CONFIG"]}, *argv, "--source", src.url, timeout=300)
+
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+
+    def first(test) -> int:  # type: ignore[no-untyped-def]
+        return next(i for i, line in enumerate(lines) if test(line))
+
+    fetched = first(lambda line: line.startswith("fdl-prepare: training source ") and " fetched: " in line)
+    building = first(lambda line: line == "fdl-prepare: building fdl-test-training-cpu")
+    built = first(lambda line: line.startswith("fdl-prepare: built: "))
+    summary = first(lambda line: line.startswith("fdl-prepare: prepared in "))
+    # The source step's note is out before the build step starts, the
+    # build's own note after its builds: each note once, where it happened.
+    assert fetched < building < built < summary, lines
+    assert len([line for line in lines if " fetched: " in line]) == 1
+
+
+def test_quiet_and_verbose_together_are_a_usage_error(box: dict[str, str]) -> None:
+    done = fdl(box, "-q", "gpus", "-v")
+    assert done.returncode == 2
+    assert "-q" in done.stderr and "-v" in done.stderr
+
+
 def test_cpu_only_prepares_with_exit_0_and_a_json_prepared_with_timings_and_notes(box: dict[str, str]) -> None:
     done = fdl(box, "--cpu-only", "--json")
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
+    assert list(out)[:2] == ["kind", "schema"] and (out["kind"], out["schema"]) == ("prepared", 1)
     assert out["devices"] is None
     assert out["data_path"] is None
     assert out["libtorch"] is None and out["bin"] is None and out["run_id"] is None
@@ -85,10 +229,56 @@ def test_a_permanent_failure_in_json_has_kind_and_a_message_naming_the_field(
     done = fdl(box, "--cpu-only", "--json", "--data-path", str(missing))
     assert done.returncode == 78
     out = json.loads(done.stdout)
-    assert out["kind"] == "permanent"
+    assert out["kind"] == "permanent" and out["schema"] == 1
     assert "data_path" in out["message"]
     assert str(missing) in out["message"]
     assert out["reason"] == "data.root-unusable"
+
+
+def test_the_survey_in_json_has_kind_gpus_and_schema_1(box: dict[str, str], fake_nvml) -> None:  # type: ignore[no-untyped-def]
+    from nvml_fixtures import ampere_pair
+
+    env = fake_nvml.box(ampere_pair()).env(box)
+    for argv in (["gpus", "--json"], ["--json", "gpus"]):
+        done = fdl(env, *argv)
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        assert (out["kind"], out["schema"]) == ("gpus", 1) and len(out["devices"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage_line"),
+    [
+        (["--json", "--devices", "zero,one"], "fdl-prepare [OPTIONS] COMMAND [ARGS]..."),
+        (["--no-such-flag", "--json"], "fdl-prepare [OPTIONS] COMMAND [ARGS]..."),
+        (["gpus", "--json", "--no-such-flag"], "fdl-prepare gpus [OPTIONS]"),
+        (["publish", "src", "--json"], "fdl-prepare publish [OPTIONS] SOURCE_DIR"),
+        (["--json", "-q", "-v"], "fdl-prepare [OPTIONS] COMMAND [ARGS]..."),
+    ],
+)
+def test_a_usage_error_under_json_is_a_json_object_of_kind_usage_with_exit_2(
+    box: dict[str, str], argv: list[str], usage_line: str
+) -> None:
+    done = fdl(box, *argv)
+    assert done.returncode == 2, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) == {"kind", "schema", "message", "usage"}
+    assert (out["kind"], out["schema"], out["usage"]) == ("usage", 1, usage_line)
+    assert out["message"] and out["message"] in done.stderr
+
+
+def test_a_usage_error_hides_a_credential_the_bad_value_carries(box: dict[str, str]) -> None:
+    done = fdl(box, "--json", "--devices", "https://fdl:hunter2-token@git.example/x")
+    assert done.returncode == 2
+    assert "https://***@git.example/x" in json.loads(done.stdout)["message"]
+    assert "hunter2-token" not in done.stdout + done.stderr
+
+
+def test_a_usage_error_without_json_leaves_stdout_empty_even_when_a_value_says_json(box: dict[str, str]) -> None:
+    # `--json` here is the smoke run's argument, not the option.
+    done = fdl(box, "--smoke", "--json", "--no-such-flag")
+    assert done.returncode == 2
+    assert done.stdout == "" and "No such option: --no-such-flag" in done.stderr
 
 
 def test_a_bad_config_file_is_permanent_and_names_the_key(box: dict[str, str]) -> None:
@@ -162,6 +352,7 @@ def test_an_unexpected_exception_with_json_prints_a_bug_object(box: dict[str, st
     assert done.returncode == 70, done.stderr
     out = json.loads(done.stdout)
     assert out["kind"] == "bug" and "RuntimeError" in out["message"] and "Traceback" in out["traceback"]
+    assert out["schema"] == 1
 
 
 def _fake_nix_that_hangs(tmp_path: Path) -> str:
@@ -204,6 +395,7 @@ def test_an_interrupt_prints_its_line_and_with_json_a_fail_of_kind_interrupted(
     if as_json:
         got = json.loads(out)
         assert got["kind"] == "interrupted" and "interrupted" in got["message"] and isinstance(got["notes"], list)
+        assert got["schema"] == 1
     else:
         assert out == ""
 

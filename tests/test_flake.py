@@ -747,6 +747,90 @@ def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, produ
     assert scripts["fdl-prepare-publish"] == "prepare.cli:publish_main"
 
 
+def _committed_flake(env: dict[str, str], tree: Path, nixpkgs: str) -> str:
+    """The production flake copied to `tree` as a committed git repository
+    whose flake.lock pins nixpkgs to the stand-in (its URL in flake.nix
+    replaced, then `nix flake lock`): a flake whose lock an evaluation would
+    change is treated as dirty and has no `self.rev`, so an --override-input
+    could not show the revision. Its HEAD."""
+    flake = tree / "flake.nix"
+    pinned = re.sub(
+        r'nixpkgs\.url = "github:NixOS/nixpkgs/[0-9a-f]{40}"', f'nixpkgs.url = "{nixpkgs}"', flake.read_text()
+    )
+    assert pinned != flake.read_text(), "flake.nix must pin nixpkgs by a full revision"
+    flake.write_text(pinned)
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-c", "user.name=fdl tests", "-c", "user.email=tests@fdl.invalid", *args],
+            cwd=tree, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return done.stdout.strip()
+
+    git("init", "-q", "-b", "main")
+    git("add", "-A")
+    locked = nix(env, "flake", "lock", f"git+file://{tree}")
+    assert locked.returncode == 0, locked.stderr
+    git("add", "-A")
+    git("commit", "-q", "-m", "the production flake")
+    return git("rev-parse", "HEAD")
+
+
+def _baked_version(env: dict[str, str], flake: str, tmp_path: Path, *extra: str) -> str:
+    """What `--version` prints from the package the flake builds: its
+    postPatch run over a copy of the package's sources (as the build runs
+    it), then the copy's own `--version`."""
+    script = nix_json(env, "eval", f"{flake}#packages.{SYSTEM}.fdl-prepare.postPatch", *extra)
+    assert isinstance(script, str)
+    tree = tmp_path / "app-src"
+    shutil.copytree(REPO / "prepare", tree / "prepare", ignore=shutil.ignore_patterns("__pycache__", "_revision.py"))
+    subprocess.run(["bash", "-euc", script], cwd=tree, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "prepare", "--version"],
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+def test_the_app_built_from_a_git_checkout_names_its_commit_in_version(env, production, nixpkgs, tmp_path):
+    from prepare import __version__
+
+    tree = Path(production.removeprefix("path:"))
+    head = _committed_flake(env, tree, nixpkgs)
+
+    said = _baked_version(env, f"git+file://{tree}", tmp_path)
+
+    assert said == f"fdl-prepare {__version__} (rev {head[:12]})"
+
+
+def test_the_app_from_a_tree_with_uncommitted_changes_says_dirty_or_unknown_never_a_clean_rev(
+    env, production, nixpkgs, tmp_path
+):
+    tree = Path(production.removeprefix("path:"))
+    head = _committed_flake(env, tree, nixpkgs)
+    (tree / "flake.nix").write_text((tree / "flake.nix").read_text() + "# an edit not committed\n")
+
+    said = _baked_version(env, f"git+file://{tree}", tmp_path)
+
+    # self.dirtyRev came with Nix 2.17; before it, a dirty tree has no revision.
+    if _nix_version(env) >= (2, 17):
+        assert said.endswith(f"(rev {head[:12]}-dirty)"), said
+    else:
+        assert said.endswith("(rev unknown)"), said
+
+
+def test_the_app_from_a_tree_git_does_not_describe_says_rev_unknown(env, production, nixpkgs, tmp_path):
+    common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
+    assert _baked_version(env, production, tmp_path, *common).endswith("(rev unknown)")
+
+
+def _nix_version(env: dict[str, str]) -> tuple[int, ...]:
+    done = subprocess.run(["nix", "--version"], env=env, capture_output=True, text=True, check=True)
+    found = re.search(r"(\d+)\.(\d+)", done.stdout)
+    assert found is not None, done.stdout
+    return tuple(int(part) for part in found.groups())
+
+
 def test_the_flake_checks_run_the_gates_and_the_formatter_is_nixfmt(env, production, nixpkgs):
     common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
     # The copy the production fixture makes holds what the flake reads; the

@@ -8,6 +8,7 @@ the tests' sshd), the training source a git repository or a directory."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -240,7 +241,12 @@ def test_a_publish_stopped_by_sigterm_midway_leaves_no_manifest(test_flake, bina
     child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not [p for p in procs_with(marker) if p[0] != child.pid and "sleep" in p[1]]:
+        # The builder's shell, not a child of the publish between its fork
+        # and its exec (which still has the publish's command line, marker
+        # and all: a loaded machine makes that window long).
+        while not [
+            p for p in procs_with(marker) if p[0] != child.pid and "sleep" in p[1] and "--signing-key" not in p[1]
+        ]:
             assert child.poll() is None, child.communicate()
             assert time.monotonic() < deadline, "the build never started"
             time.sleep(0.1)
@@ -481,6 +487,31 @@ def test_publish_takes_preparations_shared_flags_with_the_same_checks(tmp_path):
     assert done.returncode == 78, done.stderr
     assert "fdl-prepare publish: permanent failure" in done.stderr
     assert "--build-timeout (join.build_timeout) = 0.0" in done.stderr
+
+
+def test_a_publish_through_fdl_prepare_publish_prints_one_json_object_of_kind_published(
+    test_flake, git_source, binary_cache, signing_key, tmp_path
+):
+    publish_script = Path(console_script()).with_name("fdl-prepare-publish")
+    if not publish_script.exists():
+        pytest.skip("the fdl-prepare-publish console script is not installed (pip install -e .)")
+    src = published_source(git_source)
+    cache = binary_cache()
+    argv = [str(publish_script), str(src.path), "--bin", "train", "--build", BUILD, "--variant", "cpu"]
+    argv += ["--to", cache.file_url, "--signing-key", str(signing_key("k-json").secret), "--flake", test_flake]
+    argv += ["--state-dir", str(tmp_path / "publish-state"), "--json", "-q"]
+
+    done = subprocess.run(
+        argv, env={**os.environ, "NIX_CONFIG": NIX_CONFIG}, capture_output=True, text=True, timeout=600
+    )
+
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert list(out)[:2] == ["kind", "schema"] and (out["kind"], out["schema"]) == ("published", 1)
+    assert out["outputs"]["cpu"]["bin"].startswith("/nix/store/") and out["to"] == cache.file_url
+    assert any("variant cpu: built, signed and copied" in note for note in out["notes"])
+    # -q: nothing for people but warnings (the publish has none here).
+    assert done.stderr == ""
 
 
 # -- the manifest's smoke run, and how it is written ---------------------------------------------

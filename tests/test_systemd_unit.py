@@ -137,6 +137,8 @@ def test_the_plain_unit_runs_the_console_script_with_the_documented_config(unit)
 def test_the_plain_unit_is_a_oneshot_that_retries_until_prepared(unit):
     assert one(unit, "Service", "Type") == "oneshot"
     assert one(unit, "Service", "RemainAfterExit") == "yes"
+    # systemd sets NOTIFY_SOCKET, which the status line goes to, only then.
+    assert one(unit, "Service", "NotifyAccess") == "main"
     assert one(unit, "Service", "Restart") == "on-failure"
     assert one(unit, "Unit", "StartLimitIntervalSec") == "0"
     assert one(unit, "Service", "StateDirectory") == "fdl-prepare"
@@ -166,6 +168,7 @@ def test_the_plain_unit_and_the_nixos_module_share_one_restart_policy(unit, eval
     for key in (
         "Type",
         "RemainAfterExit",
+        "NotifyAccess",
         "Restart",
         "RestartSec",
         "RestartSteps",
@@ -196,7 +199,7 @@ def test_the_exit_codes_the_unit_acts_on_are_the_clis(unit):
 def test_a_permanent_failure_exits_78_and_stops_the_restart_loop(unit, tmp_path):
     done = run_like_the_unit(unit, tmp_path, f'[join]\ncpu_only = true\ndata_path = "{tmp_path}/nonexistent"\n')
     assert done.returncode == 78, done.stderr
-    assert "fdl-prepare: permanent failure:" in done.stderr
+    assert "fdl-prepare: permanent failure [data.root-unusable]: " in done.stderr
     assert "exit 78" in done.stderr
     assert done.returncode in prevented(unit)
 
@@ -214,7 +217,7 @@ def test_a_transient_failure_exits_75_and_the_restart_loop_retries_it(unit, tmp_
         f'[join]\ncpu_only = true\ndata_source = "sshfs://root@127.0.0.1:1/srv/data"\ndata_path = "{mountpoint}"\n',
     )
     assert done.returncode == 75, done.stderr
-    assert "fdl-prepare: transient failure:" in done.stderr
+    assert "fdl-prepare: transient failure [data.unreachable]: " in done.stderr
     assert "exit 75" in done.stderr
     assert done.returncode not in prevented(unit)
     assert one(unit, "Service", "Restart") == "on-failure"

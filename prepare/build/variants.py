@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prepare.fail import Fail
+from prepare.notes import warning
 
 if TYPE_CHECKING:
     from prepare.gpu.amd import AmdDevice
@@ -471,21 +472,27 @@ def _note_driver(variant: Variant, gpus: Gpus | None, notes: list[str]) -> None:
     if variant.vendor is None and (nvidia or amd):
         if not amd:
             notes.append(
-                f"libtorch {variant.label} has no CUDA: the offered GPUs will sit idle; "
-                'set libtorch = "auto" (--libtorch auto) to use them'
+                warning(
+                    f"libtorch {variant.label} has no CUDA: the offered GPUs will sit idle; "
+                    'set libtorch = "auto" (--libtorch auto) to use them'
+                )
             )
         else:
             notes.append(
-                f"libtorch {variant.label} is a CPU build: the offered GPUs will sit idle; "
-                'set libtorch = "auto" (--libtorch auto) to use them'
+                warning(
+                    f"libtorch {variant.label} is a CPU build: the offered GPUs will sit idle; "
+                    'set libtorch = "auto" (--libtorch auto) to use them'
+                )
             )
         return
     idle = amd if variant.vendor == NVIDIA else nvidia
     if idle and (nvidia if variant.vendor == NVIDIA else amd):
         which = "AMD" if variant.vendor == NVIDIA else "NVIDIA"
         notes.append(
-            f"libtorch {variant.label} is a {variant.runtime} build: the {len(idle)} offered {which} GPU(s) sit "
-            "idle in this run"
+            warning(
+                f"libtorch {variant.label} is a {variant.runtime} build: the {len(idle)} offered {which} GPU(s) sit "
+                "idle in this run"
+            )
         )
     if variant.vendor != NVIDIA:
         return
@@ -494,7 +501,9 @@ def _note_driver(variant: Variant, gpus: Gpus | None, notes: list[str]) -> None:
         return
     if variant.cuda > driver:
         notes.append(
-            f"libtorch {variant.label} is built for CUDA {_cap_text(variant.cuda)} but the driver supports "
-            f"CUDA {_cap_text(driver)}: CUDA calls may fail with 'driver too old' unless a "
-            "forward-compatibility package is installed; update the NVIDIA driver"
+            warning(
+                f"libtorch {variant.label} is built for CUDA {_cap_text(variant.cuda)} but the driver supports "
+                f"CUDA {_cap_text(driver)}: CUDA calls may fail with 'driver too old' unless a "
+                "forward-compatibility package is installed; update the NVIDIA driver"
+            )
         )

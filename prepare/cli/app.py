@@ -9,6 +9,10 @@ everywhere) and `completion` (a shell's completion script, made from this
 parser). Only this package prints (besides `print_notes`), and every
 outcome, with its exit code, is written by prepare.cli.report.
 
+The root and every command take `--version`, `-q/--quiet` and
+`-v/--verbose` (before or after the command word); a usage error under
+`--json` is also a JSON object on stdout.
+
 The parser is the standard library's argparse, and the steps, pynvml and
 rich are imported inside the commands: a warm attempt and `--help` pay for
 what they run and no more.
@@ -23,7 +27,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from prepare.cli.report import EXIT_OK, NAME, Report, Streams, Usage, usage
+from prepare.cli.report import EXIT_OK, NAME, NORMAL, QUIET, VERBOSE, Report, Streams, Usage, usage
 from prepare.config.fields import TABLE, Field, Table, nest
 from prepare.fail import Fail
 
@@ -65,6 +69,42 @@ GPUS_KEYS = ("devices", "expect_gpus", "driver_dir")
 # before their word as after it (after it wins): `check` is an attempt's.
 TAKES_CONFIG: dict[str, tuple[str, ...] | None] = {"gpus": GPUS_KEYS, "check": None}
 CONFIG_HELP = "TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present."
+
+
+def revision() -> str:
+    """The revision of the flake the app was built from, as nix/app.nix
+    writes it into prepare/_revision.py (`self.rev`, or `self.dirtyRev` for
+    a tree with uncommitted changes), cut to 12 hex digits; "unknown" from
+    a plain pip install, or a build from a tree git did not describe."""
+    import importlib
+    import re
+
+    try:
+        rev = getattr(importlib.import_module("prepare._revision"), "REVISION", None)
+    except ImportError:
+        return "unknown"
+    found = re.fullmatch(r"([0-9a-f]{7,64})(-dirty)?", rev) if isinstance(rev, str) else None
+    if found is None:
+        return "unknown"
+    return found.group(1)[:12] + (found.group(2) or "")
+
+
+def version_line() -> str:
+    from prepare import __version__
+
+    return f"{NAME} {__version__} (rev {revision()})"
+
+
+class _Version(argparse.Action):
+    """`--version`, read only when asked for: the parser is built on every run."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        kwargs.update(nargs=0, default=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
+        print(version_line(), flush=True)
+        parser.exit()
 
 
 class Interrupted(KeyboardInterrupt):
@@ -183,17 +223,13 @@ def parser(table: Table = TABLE) -> Parser:
     """The command line: the root's options (one per field of `table`) and
     its commands. A root option's dest is its field's param; a command's own
     options are under `<command>.<name>`, so the root's and a command's never
-    share one."""
-    from prepare import __version__
-
+    share one (save -q and -v, which are one setting wherever given)."""
     root = Parser(prog=NAME, description=DESCRIPTION, epilog=EPILOG)
     root.add_argument("--config", metavar="PATH", help=CONFIG_HELP)
     for f in table.fields:
         _add_field(root, f, f.param)
     root.add_argument("--json", action="store_true", help="Print one JSON object on stdout: the Prepared, or the Fail.")
-    root.add_argument(
-        "--version", action="version", version=f"{NAME} {__version__}", help="Print the version and exit."
-    )
+    _everywhere(root, root=True)
     commands = root.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=Parser)
 
     check = _command(commands, "check", CHECK_HELP, f"{NAME} check [OPTIONS]")
@@ -279,7 +315,40 @@ def _command(commands: Any, name: str, help: str, usage_line: str) -> Parser:
     made: Parser = commands.add_parser(
         name, help=help, description=help, command=f"{NAME} {name}", usage_line=usage_line
     )
+    _everywhere(made, root=False)
     return made
+
+
+def _everywhere(parser: Parser, *, root: bool) -> None:
+    """The options the root and every command take. After a command word,
+    -q and -v default to "not given" (SUPPRESS), so `fdl-prepare -v gpus`
+    keeps the root's -v."""
+    default: Any = False if root else argparse.SUPPRESS
+    parser.add_argument("--version", action=_Version, help="Print the version and the revision, and exit.")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", default=default, help="Print only warnings and failures on stderr."
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default,
+        help="Also print each command fdl-prepare runs (credentials hidden) and each step's time.",
+    )
+
+
+def level(given: argparse.Namespace) -> int:
+    """QUIET, NORMAL or VERBOSE, as -q and -v said."""
+    if getattr(given, "quiet", False):
+        return QUIET
+    if getattr(given, "verbose", False):
+        return VERBOSE
+    return NORMAL
+
+
+def report_for(given: argparse.Namespace, name: str, as_json: bool) -> Report:
+    """The Report of a command run with `given`: its -q/-v level."""
+    return Report(name, as_json=as_json, level=level(given))
 
 
 def _shared(table: Table) -> Table:
@@ -317,6 +386,10 @@ def run(args: Sequence[str] | None = None, *, table: Table = TABLE) -> int:
     argv = sys.argv[1:] if args is None else list(args)
     the_parser = parser(table)
     try:
+        as_json = "--json" in _options_given(argv, the_parser)
+    except Exception:  # noqa: BLE001 (no word of a command line may turn its usage error into a bug)
+        as_json = False
+    try:
         if argv[:1] == ["publish"] and len(argv) == 1:
             # No arguments at all is a request for help, as a usage error.
             _commands(the_parser)["publish"].print_help(sys.stderr)
@@ -327,12 +400,14 @@ def run(args: Sequence[str] | None = None, *, table: Table = TABLE) -> int:
             (_commands(the_parser)[given.command] if given.command else the_parser).error(
                 f"unrecognized arguments: {' '.join(extra)}"
             )
+        if given.quiet and given.verbose:
+            raise Usage("Invalid value for -q/--quiet: give -q or -v, not both", usage=ROOT_USAGE)
         if given.command is not None:
             _nothing_for(given, table)
         if given.command == "publish":
             _publish_args(given, _commands(the_parser)["publish"])
     except Usage as error:
-        return usage(error)
+        return usage(error, as_json=as_json)
     except SystemExit as done:  # --help, --version: argparse has printed them
         return int(done.code or 0)
     command = given.command or "prepare"
@@ -362,6 +437,13 @@ def _values_joined(argv: Sequence[str], root: argparse.ArgumentParser) -> list[s
             commands = {}
         out.append(word)
     return out
+
+
+def _options_given(argv: Sequence[str], root: argparse.ArgumentParser) -> list[str]:
+    """The words of `argv` before `--` that are options, not an option's
+    value (`--smoke --json` gives the smoke run `--json`)."""
+    words = _values_joined(argv, root)
+    return words[: words.index("--")] if "--" in words else words
 
 
 def _valued(parser: argparse.ArgumentParser) -> set[str]:
@@ -439,19 +521,36 @@ def _merged(under: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+def progress_for(report: Report) -> Any:
+    """What a command's steps report to: the display on stderr (none under
+    -q), and the report's own receiver (the unit's status line, -v's step
+    times)."""
+    from prepare.cli import progress as display
+
+    shown = None if report.level == QUIET else display.renderer(sys.stderr, prefix=report.name)
+    return display.chain(shown, report.event)
+
+
+def watched(report: Report) -> Any:
+    """Under -v, each program started is shown (prepare.host.proc)."""
+    import contextlib
+
+    if report.level < VERBOSE:
+        return contextlib.nullcontext()
+    from prepare.host import proc
+
+    return proc.watching(report.command)
+
+
 def _prepare(given: argparse.Namespace, table: Table) -> int:
-    report = Report(NAME, as_json=given.json)
+    report = report_for(given, NAME, given.json)
 
     def work() -> Any:
         from prepare import pipeline
 
         spec = _spec(given, table)
-        progress = None
-        if spec.wants_build:
-            from prepare.cli import progress as display
-
-            progress = display.renderer(sys.stderr)
-        return pipeline.prepare(spec, report.notes, progress=progress)
+        with watched(report):
+            return pipeline.prepare(spec, report.notes, progress=progress_for(report))
 
     return report.outcome(work)
 
@@ -465,7 +564,7 @@ GPUS_CPU_ONLY = (
 
 
 def _gpus(given: argparse.Namespace, table: Table) -> int:
-    report = Report(f"{NAME} gpus", as_json=given.json or vars(given)["gpus.json"])
+    report = report_for(given, f"{NAME} gpus", given.json or vars(given)["gpus.json"])
 
     def work() -> Any:
         from prepare.gpu import gate
@@ -483,29 +582,24 @@ def _gpus(given: argparse.Namespace, table: Table) -> int:
 
 
 def _check(given: argparse.Namespace, table: Table) -> int:
-    report = Report(f"{NAME} check", as_json=given.json or vars(given)["check.json"])
+    report = report_for(given, f"{NAME} check", given.json or vars(given)["check.json"])
 
     def work() -> Any:
         from prepare import pipeline
 
         spec = _spec(given, table, "check")
-        progress = None
-        if spec.wants_build:
-            from prepare.cli import progress as display
-
-            progress = display.renderer(sys.stderr)
-        return pipeline.check(spec, report.notes, progress=progress)
+        with watched(report):
+            return pipeline.check(spec, report.notes, progress=progress_for(report))
 
     return report.outcome(work)
 
 
 def _publish(given: argparse.Namespace, table: Table) -> int:
     values = vars(given)
-    report = Report(f"{NAME} publish", as_json=given.json or values["publish.json"])
+    report = report_for(given, f"{NAME} publish", given.json or values["publish.json"])
 
     def work() -> Any:
         from prepare import config
-        from prepare.cli import progress as display
         from prepare.publish import PublishSpec, publish
 
         # The same flags, checks and environment defaults as prepare's.
@@ -528,7 +622,8 @@ def _publish(given: argparse.Namespace, table: Table) -> int:
             commit=values["publish.commit"] or values["publish.push"],
             push=values["publish.push"],
         )
-        return publish(spec, report.notes, display.renderer(sys.stderr, prefix=report.name))
+        with watched(report):
+            return publish(spec, report.notes, progress_for(report))
 
     return report.outcome(work)
 

@@ -7,12 +7,16 @@ permanent (EX_CONFIG: stop), 2 usage, 70 a bug (EX_SOFTWARE: stop), 130
 interrupted.
 
 - A result (a Prepared, a Published, a GPU survey): with `--json`, one
-  JSON object on stdout, the notes in it; else the notes and a summary for
-  people on stderr (a survey's tables on stdout). A new kind of result is
-  one entry in `_shown`. A result that says the box is not ready (a check,
-  the GPUs' health) carries the Fail an attempt would stop on: it exits
-  as that Fail would, its failure lines written as a Fail's are.
-- A Fail: its kind, reason and message, as JSON or for people, and 75 or 78.
+  JSON object on stdout, its `kind` and `"schema": 1` first, the notes in
+  it; else a summary for people on stderr (a survey's tables on stdout),
+  the notes having been printed as they were added (`LiveNotes`), so a
+  note about a mount is read before the build it explains. A new kind of
+  result is one entry in `_KINDS`, with its kind. A result that says the
+  box is not ready (a check, the GPUs' health) carries the Fail an attempt
+  would stop on: it exits as that Fail would, its failure lines written as
+  a Fail's are.
+- A Fail: its kind, reason and message, as JSON or for people
+  (`fdl-prepare: permanent failure [gpu.no-driver]: ...`), and 75 or 78.
 - An interruption (SIGINT, or SIGTERM, which the command turns into one):
   130; the subprocess seam has stopped any child by then.
 - An exception that is not a Fail is a bug in fdl-prepare, never the box's
@@ -20,7 +24,15 @@ interrupted.
   not retry (a bug retried every 10 s for ever hides itself in the journal),
   where Python's own exit 1 would be retried as if transient.
 - A command line that cannot be run (`Usage`): its usage line, the error
-  naming the option, and 2.
+  naming the option, and 2; under `--json`, also as a JSON object of kind
+  `usage` on stdout.
+
+What people read goes to stderr, each line at a syslog priority when
+stderr is the journal (prepare.host.journal): failures at err, warnings (a
+note made with prepare.notes.warning) at warning, the rest at info. `level`
+is what `-q` and `-v` chose: QUIET keeps only warnings and failures,
+VERBOSE adds each command run (redacted) and each step's time. Under
+systemd (NOTIFY_SOCKET), each step is also the unit's status line.
 
 Output that cannot be written is no bug either (`Output`). stdout carries
 the result a caller reads (`--json`): when it cannot take it, an attempt
@@ -43,16 +55,18 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from prepare import notes as notes_mod
 from prepare.fail import Fail
-from prepare.host import human
+from prepare.host import human, journal
 from prepare.host.human import printable
+from prepare.host.journal import FAILURE, INFO, WARNING
 from prepare.host.redact import redact
-from prepare.notes import print_notes
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -62,6 +76,26 @@ EXIT_PERMANENT = 78
 EXIT_INTERRUPTED = 130
 
 NAME = "fdl-prepare"
+
+# The version of every JSON object's shape: a consumer checks it, and a
+# change that breaks one bumps it.
+SCHEMA = 1
+
+# What -q and -v choose (Report.level).
+QUIET, NORMAL, VERBOSE = 0, 1, 2
+
+# A command line shown under -v is cut here: a box can be given thousands
+# of devices or a long URL, and a journal line is no place for all of it.
+COMMAND_CHARS = 4096
+
+
+def say(text: str, priority: int = INFO) -> None:
+    """`text` on stderr, each line at `priority` when stderr is the journal."""
+    err = sys.stderr
+    if err is None:
+        return
+    err.write(journal.lines(text, priority, journal.is_journal(err)))
+    err.flush()
 
 
 class Usage(Exception):
@@ -75,13 +109,43 @@ class Usage(Exception):
         self.command = command
 
 
-def usage(error: Usage) -> int:
-    """A usage error as click words one, on stderr; stdout stays empty."""
-    err = sys.stderr
-    print(f"Usage: {error.usage}", file=err)
-    print(f"Try '{error.command} -h' for help.", file=err)
-    print(f"\nError: {error.message}", file=err)
+def usage(error: Usage, *, as_json: bool = False) -> int:
+    """A usage error as click words one, on stderr; with `as_json`, also
+    as one JSON object on stdout (else stdout stays empty). The message may
+    quote a flag's value: a credential in it is hidden, a control character
+    escaped."""
+    message = printable(redact(error.message))
+    if as_json:
+        out = {"kind": "usage", "schema": SCHEMA, "message": message, "usage": error.usage}
+        print(json.dumps(out), flush=True)
+    say(f"Usage: {error.usage}\nTry '{error.command} -h' for help.\n\nError: {message}", FAILURE)
     return EXIT_USAGE
+
+
+class LiveNotes(list[str]):
+    """A command's notes, each shown (`show`) as it is added: the library
+    appends to its caller's list, and a note printed at the end would come
+    after the build it explains."""
+
+    def __init__(self, show: Callable[[str], None]) -> None:
+        super().__init__()
+        self._show = show
+
+    def append(self, note: str, /) -> None:
+        super().append(note)
+        self._show(note)
+
+    def insert(self, index: Any, note: str, /) -> None:
+        super().insert(index, note)
+        self._show(note)
+
+    def extend(self, notes: Iterable[str], /) -> None:
+        for note in list(notes):
+            self.append(note)
+
+    def __iadd__(self, notes: Iterable[str]) -> LiveNotes:  # type: ignore[override,misc]
+        self.extend(notes)
+        return self
 
 
 @dataclass
@@ -94,6 +158,69 @@ class Report:
     name: str = NAME
     as_json: bool = False
     notes: list[str] = field(default_factory=list)
+    # QUIET, NORMAL or VERBOSE (-q, -v).
+    level: int = NORMAL
+
+    def __post_init__(self) -> None:
+        self.journal = journal.is_journal(sys.stderr)
+        self._lock = threading.Lock()
+        # The pipeline step running, for the status line of its phases.
+        self._step: str | None = None
+        if not self.as_json and not self.notes:
+            # With --json, the notes are the JSON's; for people, they are
+            # printed as they come.
+            self.notes = LiveNotes(self.note)
+
+    # -- what people read, as it happens --------------------------------------------------------
+
+    def say(self, text: str, priority: int = INFO) -> None:
+        """A line (or lines) on stderr; info is left out under -q."""
+        if priority == INFO and self.level == QUIET:
+            return
+        with self._lock:
+            err = sys.stderr
+            if err is not None:
+                err.write(journal.lines(text, priority, self.journal))
+                err.flush()
+
+    def note(self, note: str) -> None:
+        """One note, under the command's name, at its priority."""
+        self.say(notes_mod.shown(self.name, note), notes_mod.priority(note))
+
+    def command(self, argv: Sequence[str]) -> None:
+        """A program fdl-prepare starts (prepare.host.proc.watching), under -v."""
+        if self.level < VERBOSE:
+            return
+        line = printable(redact(shlex.join(argv)))
+        if len(line) > COMMAND_CHARS:
+            line = line[:COMMAND_CHARS] + " ... (cut)"
+        self.say(f"{self.name}: running: {line}")
+
+    def event(self, event: dict[str, Any]) -> None:
+        """The steps' progress events, for the unit's status line (under
+        systemd) and each step's time (under -v)."""
+        kind = event.get("type")
+        if kind == "step-start":
+            self._step = str(event.get("name", "?"))
+            self.status(self._step, str(event.get("detail", "")))
+        elif kind == "step":
+            from prepare.cli.progress import doing
+
+            self.status(self._step or str(event.get("name", "?")), redact(doing(event)))
+        elif kind == "step-done":
+            self._step = None
+            if self.level >= VERBOSE:
+                seconds = float(event.get("seconds") or 0.0)
+                how = "done in" if event.get("ok") else "failed after"
+                self.say(f"{self.name}: {event.get('name', '?')}: {how} {seconds:.3f}s")
+
+    def status(self, step: str, what: str) -> None:
+        """systemd's status line for the unit (`systemctl status`), when
+        there is a service manager to tell."""
+        if os.environ.get("NOTIFY_SOCKET"):
+            journal.notify(journal.status(step, what))
+
+    # -- the outcome ----------------------------------------------------------------------------
 
     def outcome(self, work: Callable[[], Any]) -> int:
         """Run `work` and report whatever it ends in: the one place a
@@ -112,8 +239,10 @@ class Report:
     def done(self, result: Any, seconds: float) -> int:
         shown = _shown(result)
         stopped = shown.stopped(result) if shown.stopped is not None else None
+        if stopped is None:
+            self.status(shown.kind, f"done in {seconds:.2f}s")
         if self.as_json:
-            out = result.to_json()
+            out = {"kind": shown.kind, "schema": SCHEMA, **result.to_json()}
             if shown.notes_in_json:
                 out["notes"] = self._notes()
             # Keys as the result orders them: the timings read as the steps ran.
@@ -129,18 +258,22 @@ class Report:
     def fail(self, fail: Fail) -> int:
         code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
         message = redact(fail.message)
+        self.status(f"{fail.kind} failure [{fail.reason}]", message)
         if self.as_json:
-            out = {**fail.to_json(), "message": message, "notes": self._notes()}
+            out = {**fail.to_json(), "schema": SCHEMA, "message": message, "notes": self._notes()}
             print(json.dumps(out, sort_keys=True))
             return code
-        print_notes(self.name, self.notes)
+        self._notes_left()
         then = (
             "retrying cannot help: fix the cause above, then run again"
             if fail.permanent
             else "the next attempt may succeed: retry with backoff"
         )
-        print(f"{self.name}: {fail.kind} failure: {printable(message, lines=True)}", file=sys.stderr)
-        print(f"{self.name}: exit {code}: {then}", file=sys.stderr)
+        self.say(
+            f"{self.name}: {fail.kind} failure [{fail.reason}]: {printable(message, lines=True)}\n"
+            f"{self.name}: exit {code}: {then}",
+            FAILURE,
+        )
         return code
 
     def interrupted(self) -> int:
@@ -150,12 +283,14 @@ class Report:
             "interrupted (SIGINT or SIGTERM) before preparation finished: the running step and its child were "
             "stopped; the next attempt starts over"
         )
+        self.status("interrupted", "stopped before preparation finished")
         if self.as_json:
-            out = {"kind": "interrupted", "message": message, "notes": self._notes()}
+            out = {"kind": "interrupted", "schema": SCHEMA, "message": message, "notes": self._notes()}
             print(json.dumps(out, sort_keys=True), flush=True)
         else:
-            print_notes(self.name, self.notes)
-        print(f"{NAME}: interrupted", file=sys.stderr, flush=True)
+            self._notes_left()
+        # A warning, not a failure: systemd stopping the unit is routine.
+        self.say(f"{NAME}: interrupted", WARNING)
         return EXIT_INTERRUPTED
 
     def bug(self, bug: BaseException) -> int:
@@ -168,18 +303,28 @@ class Report:
             f"internal error: {type(bug).__name__}: {bug}. This is a bug in fdl-prepare, not a problem of this box: "
             "retrying would only repeat it. Report it with the traceback, and the config and flags that led to it"
         )
+        self.status("bug", f"{type(bug).__name__}, exit {EXIT_SOFTWARE}")
         if self.as_json:
-            out = {"kind": "bug", "message": message, "traceback": trace, "notes": self._notes()}
+            out = {"kind": "bug", "schema": SCHEMA, "message": message, "traceback": trace, "notes": self._notes()}
             print(json.dumps(out, sort_keys=True), flush=True)
         else:
-            print_notes(self.name, self.notes)
-        print(trace, file=sys.stderr, end="")
-        print(f"{self.name}: {message}", file=sys.stderr)
-        print(f"{self.name}: exit {EXIT_SOFTWARE}: a bug; the unit does not restart on it", file=sys.stderr, flush=True)
+            self._notes_left()
+        self.say(
+            trace.rstrip("\n")
+            + f"\n{self.name}: {message}\n{self.name}: exit {EXIT_SOFTWARE}: a bug; the unit does not restart on it",
+            FAILURE,
+        )
         return EXIT_SOFTWARE
 
     def _notes(self) -> list[str]:
         return [redact(n) for n in self.notes]
+
+    def _notes_left(self) -> None:
+        """Notes not printed yet: those of a list that was not live (a
+        caller's own)."""
+        if not isinstance(self.notes, LiveNotes):
+            for note in self.notes:
+                self.note(note)
 
 
 # -- what each kind of result looks like for people ------------------------------------------
@@ -188,6 +333,8 @@ class Report:
 @dataclass(frozen=True)
 class Shown:
     human: Callable[[Report, Any, float], None]
+    # The JSON object's "kind": what a consumer dispatches on.
+    kind: str
     # Whether the JSON object carries the notes (a survey's are its own).
     notes_in_json: bool = True
     # The Fail a result says an attempt would stop on (None: it would not):
@@ -195,14 +342,13 @@ class Shown:
     stopped: Callable[[Any], Fail | None] | None = None
 
 
-def _rows(rows: list[tuple[str, str]]) -> None:
+def _rows(report: Report, rows: list[tuple[str, str]]) -> None:
     # Values that came from a manifest or a program: escaped, one line each.
-    for key, value in rows:
-        print(f"  {key:<9} {printable(value)}", file=sys.stderr)
+    report.say("\n".join(f"  {key:<9} {printable(value)}" for key, value in rows))
 
 
 def _prepared(report: Report, done: Any, seconds: float) -> None:
-    print_notes(report.name, report.notes)
+    report._notes_left()
     rows: list[tuple[str, str]] = []
     if done.devices is None:
         rows.append(("gpus", "gate skipped (--cpu-only)"))
@@ -217,13 +363,13 @@ def _prepared(report: Report, done: Any, seconds: float) -> None:
         rows.append(("args", shlex.join(done.args)))
     if done.run_id is not None:
         rows.append(("run", done.run_id))
-    print(f"{report.name}: prepared in {seconds:.2f}s", file=sys.stderr)
-    _rows(rows)
+    report.say(f"{report.name}: prepared in {seconds:.2f}s")
+    _rows(report, rows)
 
 
 def _published(report: Report, done: Any, seconds: float) -> None:
-    print_notes(report.name, report.notes)
-    print(f"{report.name}: run {done.run_id} published in {seconds:.2f}s", file=sys.stderr)
+    report._notes_left()
+    report.say(f"{report.name}: run {done.run_id} published in {seconds:.2f}s")
     source = os.path.dirname(done.manifest)
     rows = [("source", source + (f" (git {done.rev[:12]})" if done.rev else ""))]
     rows += [("to", done.to)]
@@ -231,7 +377,7 @@ def _published(report: Report, done: Any, seconds: float) -> None:
     rows += [("manifest", done.manifest + (f" (commit {done.commit[:12]})" if done.commit else ""))]
     if done.next_step:
         rows.append(("next", done.next_step))
-    _rows(rows)
+    _rows(report, rows)
 
 
 def _width() -> int:
@@ -263,7 +409,7 @@ def _health(report: Report, health: Any, seconds: float) -> None:
         verdict = f"not ready: an attempt would stop at the GPU gate ({health.fail.kind}, {health.fail.reason})"
     print(human.wrapped(f"{report.name}: {verdict}", width, "  "))
     if health.ready:
-        print_notes(report.name, report.notes)
+        report._notes_left()
 
 
 def _checked(report: Report, checked: Any, seconds: float) -> None:
@@ -281,16 +427,16 @@ def _checked(report: Report, checked: Any, seconds: float) -> None:
                 print(f"  ... and {len(paths) - checked.LISTED} more (--json lists them all)")
     print(human.wrapped(f"{report.name}: {checked.summary()}", width, "  "))
     if checked.ready:
-        print_notes(report.name, report.notes)
+        report._notes_left()
 
 
 # How each kind of result a command returns is shown: one line here for
 # each, by the module and name of its type.
 _KINDS: tuple[tuple[str, str, Shown], ...] = (
-    ("prepare.spec", "Prepared", Shown(_prepared)),
-    ("prepare.spec", "Checked", Shown(_checked, stopped=lambda c: c.fail)),
-    ("prepare.publish.spec", "Published", Shown(_published)),
-    ("prepare.gpu.gate", "Health", Shown(_health, stopped=lambda h: h.fail)),
+    ("prepare.spec", "Prepared", Shown(_prepared, "prepared")),
+    ("prepare.spec", "Checked", Shown(_checked, "check", stopped=lambda c: c.fail)),
+    ("prepare.publish.spec", "Published", Shown(_published, "published")),
+    ("prepare.gpu.gate", "Health", Shown(_health, "gpus", stopped=lambda h: h.fail)),
 )
 
 
@@ -369,11 +515,11 @@ class Streams:
         if self.out.failed is not None and code in (None, EXIT_OK):
             full = self.out.failed.errno in _DISK_FULL
             code = EXIT_PERMANENT if full else EXIT_TRANSIENT
-            print(
+            say(
                 f"{NAME}: the result could not be written to stdout ({human.oserror(self.out.failed)}): "
                 + ("free space where stdout goes, then run again" if full else "the next attempt writes it again")
                 + f"; exit {code}",
-                file=sys.stderr,
+                FAILURE,
             )
             if sys.stderr is not None:
                 self.err.flush()

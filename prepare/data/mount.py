@@ -28,6 +28,7 @@ from prepare.data import listing, url
 from prepare.data.url import Source, sshfs_argv
 from prepare.fail import Fail
 from prepare.host import human, mounts, proc
+from prepare.notes import warning
 from prepare.spec import SshSpec
 
 # sshfs returns once its connection is up or has failed; a refused key or a
@@ -66,8 +67,10 @@ def establish(source: Source, mountpoint: str, ssh: SshSpec, list_timeout_s: flo
             _unmount(mountpoint)
             _mount(source, mountpoint, ssh, notes)
             notes.append(
-                f"the earlier mount of `{source.remote}` at {mountpoint} had lost its sshfs process "
-                f"(transport endpoint not connected); unmounted it and mounted it again read-only"
+                warning(
+                    f"the earlier mount of `{source.remote}` at {mountpoint} had lost its sshfs process "
+                    f"(transport endpoint not connected); unmounted it and mounted it again read-only"
+                )
             )
             listing.verify(mountpoint, list_timeout_s, mounted_from=source)
             return
@@ -189,7 +192,7 @@ def _reused(existing: mounts.Mount, mountpoint: str) -> str:
 
 def _foreign(existing: mounts.Mount, mountpoint: str, source: Source) -> str:
     unmount = f"fusermount -u {mountpoint}" if existing.is_fuse else f"sudo umount {mountpoint}"
-    return (
+    return warning(
         f"{mountpoint} already carries a mount from `{existing.source}` ({existing.fstype}), not the "
         f"configured data_source `{source.url}`; leaving it alone, and the ranks will read whatever is "
         f"mounted there. To mount the configured source instead: `{unmount}`, then run again."
@@ -386,8 +389,10 @@ def _run_sshfs(argv: list[str], mountpoint: str, notes: list[str]) -> proc.Compl
             return done
         line = done.stderr[refused.start() :].splitlines()[0]
         notes.append(
-            f"systemd-run could not give the sshfs mount at {mountpoint} a scope of its own ({line}): mounted "
-            "inside this unit instead, so a restart of the unit takes the mount down with it"
+            warning(
+                f"systemd-run could not give the sshfs mount at {mountpoint} a scope of its own ({line}): mounted "
+                "inside this unit instead, so a restart of the unit takes the mount down with it"
+            )
         )
     return proc.run(argv, timeout=MOUNT_TIMEOUT_S)
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prepare.gpu.devices import cpu_only
+from prepare.notes import warning
 
 TOPOLOGY = "/sys/class/kfd/kfd/topology/nodes"
 DRM = "/sys/class/drm"
@@ -328,7 +329,7 @@ def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
     if blocked is None:
         for d in devices:
             if not d.usable and d.index is not None:
-                notes.append(f"{d.label()} is unusable and will not be offered: {d.error}.")
+                notes.append(warning(f"{d.label()} is unusable and will not be offered: {d.error}."))
     return AmdGpus(
         devices=tuple(devices),
         offered=offered,

@@ -46,6 +46,7 @@ from prepare.fail import Fail
 from prepare.gpu.devices import cpu_only
 from prepare.host import human, proc
 from prepare.host.state import write_at
+from prepare.notes import warning
 from prepare.spec import DRIVER_DIR
 
 KERNEL_VERSION = "/proc/driver/nvidia/version"
@@ -128,9 +129,11 @@ def _host_libraries(notes: list[str]) -> list[Library] | None:
     ldconfig = next((p for p in _LDCONFIG if os.path.exists(p)), None)
     if ldconfig is None:
         notes.append(
-            "driver directory not kept: the host has no ldconfig (looked in "
-            + ", ".join(_LDCONFIG)
-            + "), so its NVIDIA libraries cannot be found for Nix-built programs"
+            warning(
+                "driver directory not kept: the host has no ldconfig (looked in "
+                + ", ".join(_LDCONFIG)
+                + "), so its NVIDIA libraries cannot be found for Nix-built programs"
+            )
         )
         return None
     try:
@@ -138,11 +141,11 @@ def _host_libraries(notes: list[str]) -> list[Library] | None:
             [ldconfig, "-p"], timeout=_LDCONFIG_TIMEOUT_S, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
         )
     except (proc.ExecFailed, proc.TimedOut) as err:
-        notes.append(f"driver directory not kept: `{ldconfig} -p` failed ({err})")
+        notes.append(warning(f"driver directory not kept: `{ldconfig} -p` failed ({err})"))
         return None
     if not done.ok:
         notes.append(
-            f"driver directory not kept: `{ldconfig} -p` exited {done.returncode}: {done.stderr.strip()[:200]}"
+            warning(f"driver directory not kept: `{ldconfig} -p` exited {done.returncode}: {done.stderr.strip()[:200]}")
         )
         return None
     mine = _elf_kind("/proc/self/exe")
@@ -269,8 +272,10 @@ def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list
         os.close(fd)
     for name in theirs:
         notes.append(
-            f"driver directory: {os.path.join(directory, name)} is not a link fdl-prepare made; left alone (remove "
-            "it if it should be, and the next attempt links it)"
+            warning(
+                f"driver directory: {os.path.join(directory, name)} is not a link fdl-prepare made; left alone (remove "
+                "it if it should be, and the next attempt links it)"
+            )
         )
     if created or updated or removed:
         parts = [f"{len(created)} new"] if created else []

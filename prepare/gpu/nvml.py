@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from prepare.fail import Fail
 from prepare.gpu.devices import Device, Gpus, cpu_only
+from prepare.notes import warning
 
 if TYPE_CHECKING:
     from prepare.gpu.health import Check
@@ -187,16 +188,22 @@ def survey(env: Mapping[str, str], driver_dir: str) -> Gpus:
     for d in devices:
         if not d.usable:
             notes.append(
-                f"{d.label()}, {d.uuid or 'UUID unknown'}, is unusable and will not be offered: "
-                f"{d.error}. {_device_hint(codes[d.index], d.index)}"
+                warning(
+                    f"{d.label()}, {d.uuid or 'UUID unknown'}, is unusable and will not be offered: "
+                    f"{d.error}. {_device_hint(codes[d.index], d.index)}"
+                )
             )
         elif d.problems:
             notes.append(
-                f"{d.label()}, {d.uuid or 'UUID unknown'}, is unhealthy and will not be offered: {d.health_line()}."
+                warning(
+                    f"{d.label()}, {d.uuid or 'UUID unknown'}, is unhealthy and will not be offered: {d.health_line()}."
+                )
             )
         elif d.not_ready:
             notes.append(
-                f"{d.label()}, {d.uuid or 'UUID unknown'}, is not ready and will not be offered: {d.health_line()}."
+                warning(
+                    f"{d.label()}, {d.uuid or 'UUID unknown'}, is not ready and will not be offered: {d.health_line()}."
+                )
             )
     notes.extend(parse_notes)
     if visible is not None:
@@ -392,7 +399,7 @@ def _optional(pynvml: Any, call: Callable[[], Any], what: str, notes: list[str])
     try:
         return call()
     except pynvml.NVMLError as err:
-        notes.append(f"could not read {what} from NVML: {err} (NVML error {getattr(err, 'value', '?')}).")
+        notes.append(warning(f"could not read {what} from NVML: {err} (NVML error {getattr(err, 'value', '?')})."))
         return None
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from prepare.fail import Fail
 from prepare.host import human, mounts
+from prepare.notes import warning
 
 # Below this the cache or stage is likely to fill during a run: worth a note,
 # not a refusal, because a small dataset fits in much less.
@@ -124,8 +125,10 @@ def _home(notes: list[str]) -> tuple[str, str]:
             f"set HOME to a writable directory (Environment=HOME=/var/lib/fdl in a systemd unit)",
         )
     notes.append(
-        f"HOME is unset: the dataset cache goes under {entry.pw_dir}, the home of "
-        f"{entry.pw_name} (uid {uid}) in the password database; set HOME to choose another place"
+        warning(
+            f"HOME is unset: the dataset cache goes under {entry.pw_dir}, the home of "
+            f"{entry.pw_name} (uid {uid}) in the password database; set HOME to choose another place"
+        )
     )
     return entry.pw_dir, f"HOME (unset; {entry.pw_dir} is {entry.pw_name}'s home in the password database)"
 
@@ -321,15 +324,19 @@ def _observe(path: str, label: str, contents: str, origin: str, notes: list[str]
     var = _var(origin, "TMPDIR")
     if mount is not None and mount.fstype in RAM_FILESYSTEMS:
         notes.append(
-            f"{label} {path} is on {mount.fstype} (mounted at {mount.mount_point}): {contents} spend RAM "
-            f"the run may need and vanish at reboot; point {var} at a disk-backed directory"
+            warning(
+                f"{label} {path} is on {mount.fstype} (mounted at {mount.mount_point}): {contents} spend RAM "
+                f"the run may need and vanish at reboot; point {var} at a disk-backed directory"
+            )
         )
     free = _free_bytes(path)
     if free is not None and free < LOW_SPACE_BYTES:
         where = f"the filesystem mounted at {mount.mount_point}" if mount else "its filesystem"
         notes.append(
-            f"{label} {path} has {human.size(free)} free on {where} (under 1 GiB): {contents} may "
-            f"fill it mid-run; free space there or point {var} at a larger filesystem"
+            warning(
+                f"{label} {path} has {human.size(free)} free on {where} (under 1 GiB): {contents} may "
+                f"fill it mid-run; free space there or point {var} at a larger filesystem"
+            )
         )
 
 

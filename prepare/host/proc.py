@@ -16,7 +16,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING
 
@@ -109,6 +109,30 @@ _CUT = " ... (cut)"
 _MISSING = {errno.ENOENT, errno.ENOTDIR, errno.EACCES, errno.ENOEXEC, errno.EISDIR, errno.ELOOP, errno.EPERM}
 
 
+# Who is told of each program as it starts (the CLI's --verbose prints
+# them): process-wide rather than a parameter of every step, since every
+# step runs its programs through here and here alone.
+_watchers: list[Callable[[Sequence[str]], None]] = []
+
+
+@contextlib.contextmanager
+def watching(watcher: Callable[[Sequence[str]], None]) -> Iterator[None]:
+    """Call `watcher` with the argv of each program started in the body (as
+    the caller gave it: a confined run's wrapper is not shown)."""
+    _watchers.append(watcher)
+    try:
+        yield
+    finally:
+        _watchers.remove(watcher)
+
+
+def _announce(argv: Sequence[str]) -> None:
+    for watcher in list(_watchers):
+        # A display that fails must not stop the program it shows.
+        with contextlib.suppress(Exception):
+            watcher(argv)
+
+
 def which(program: str, path: str | None = None) -> str | None:
     return shutil.which(program, path=path)
 
@@ -178,6 +202,7 @@ def start(
     if resolved is None or not os.path.isfile(resolved) or not os.access(resolved, os.X_OK):
         raise Missing(program)
     command = [resolved, *argv[1:]]
+    _announce(argv)
     status: tuple[int, int] | None = None
     if confine is not None:
         from prepare.host.confine import command as confined

@@ -30,6 +30,9 @@ ACT_FILE_TRANSFER = 101
 ACT_BUILDS = 104
 ACT_BUILD = 105
 ACT_SUBSTITUTE = 108
+# A fetcher's own activity (`fetching Git repository ...`): Nix 2.8 starts
+# it untyped (0), later releases as actFetchTree.
+ACT_FETCH_TREE = 112
 # Result types.
 RES_BUILD_LOG_LINE = 101
 RES_SET_PHASE = 104
@@ -149,9 +152,9 @@ def _keep(kept: list[str], text: str) -> None:
 
 
 def _is_fetching(act: Activity) -> bool:
-    """An untyped activity whose text says it is fetching something: shown
-    as a download, like a typed file transfer."""
-    return act.type == 0 and act.text.lower().startswith("fetching ")
+    """A fetcher's activity (untyped on 2.8, actFetchTree later) whose text
+    says it is fetching something: shown as a fetch."""
+    return act.type in (0, ACT_FETCH_TREE) and act.text.lower().startswith("fetching ")
 
 
 class Log:
@@ -183,6 +186,9 @@ class Log:
         self._failed_seen = 0
         # What a dry run said it would build and fetch (`Missing`).
         self.missing = Missing()
+        # Ends of activities said only once the call's outcome is known
+        # (`finished`).
+        self._pending: list[tuple[str, Activity, dict[str, Any]]] = []
 
     # -- reading ---------------------------------------------------------
     def feed(self, line: str) -> None:
@@ -240,8 +246,10 @@ class Log:
         self.activities[act.id] = act
         if act.type == ACT_BUILD:
             self._emit("build-start", act, drv=act.fields[0] if act.fields else None)
-        elif act.type == ACT_FILE_TRANSFER or _is_fetching(act):
+        elif act.type == ACT_FILE_TRANSFER:
             self._emit("download-start", act)
+        elif _is_fetching(act):
+            self._emit("fetch-start", act)
         elif act.type == ACT_SUBSTITUTE:
             self._emit("substitute-start", act)
 
@@ -254,8 +262,18 @@ class Log:
         if act.type == ACT_BUILD:
             act.outcome = self._build_outcome()
             self._emit("build-done", act, seconds=seconds, ok=act.outcome == "built", outcome=act.outcome)
-        elif act.type == ACT_FILE_TRANSFER or _is_fetching(act):
+        elif act.type == ACT_FILE_TRANSFER and act.done:
             self._emit("download-done", act, bytes=act.done, seconds=seconds)
+        elif act.type == ACT_FILE_TRANSFER:
+            # Nix stops a transfer's activity whether it succeeded or not,
+            # and says which only later, in the call's error or its exit:
+            # one that moved nothing it reported is said when that is known
+            # (`finished`), so a refused download is never "downloaded".
+            self._pending.append(("download-done", act, {"bytes": 0, "seconds": seconds}))
+        elif _is_fetching(act):
+            # The same for a fetcher's activity (`fetching Git repository
+            # ...`), whose bytes Nix never reports.
+            self._pending.append(("fetch-done", act, {"seconds": seconds}))
         elif act.type == ACT_SUBSTITUTE:
             self._emit("substitute-done", act, seconds=seconds)
 
@@ -289,6 +307,13 @@ class Log:
             act.done, act.expected = int(fields[0]), int(fields[1])
         elif kind == RES_SET_EXPECTED and len(fields) >= 2:
             self.expected[int(fields[0])] = int(fields[1])
+
+    def finished(self, ok: bool) -> None:
+        """The call is over, `ok` or not: the transfers and fetches whose
+        end waited on that are said now, each with `ok`."""
+        pending, self._pending = self._pending, []
+        for kind, act, fields in pending:
+            self._emit(kind, act, ok=ok, **fields)
 
     def _emit(self, kind: str, act: Activity, **fields: Any) -> None:
         """A progress event (prepare.cli.progress lists them) about `act`."""

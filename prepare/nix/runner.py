@@ -490,6 +490,7 @@ class Nix:
         try:
             completed = running.wait()
         except proc.TimedOut as late:
+            log.finished(False)
             what = "the build" if phase == BUILD else "nix"
             slow_fix = "Raise build_timeout_s (--build-timeout) if the build is legitimately slow; "
             raise Fail(
@@ -498,6 +499,10 @@ class Nix:
                 + (slow_fix if phase == BUILD else "")
                 + "the next attempt retries",
             ) from None
+        except BaseException:
+            log.finished(False)
+            raise
+        log.finished(completed.returncode == 0)
         outcome = Outcome(completed, log)
         # Before the call's own outcome: a daemon that dropped the box's
         # caches answers the call anyway, and every build would then happen

@@ -12,6 +12,7 @@ import shlex
 from prepare.build.manifest import FILENAME
 from prepare.fail import Fail
 from prepare.host import human, proc
+from prepare.notes import warning
 
 GIT_TIMEOUT_S = 120.0
 
@@ -57,9 +58,11 @@ def rev(root: str, notes: list[str]) -> str | None:
     changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] != FILENAME and line.strip()]
     if changed:
         notes.append(
-            f"{len(changed)} uncommitted change(s) in {root} ({', '.join(changed[:5])}"
-            + (", ..." if len(changed) > 5 else "")
-            + f") are not published: boxes fetch commits, and this publishes {rev[:12]}"
+            warning(
+                f"{len(changed)} uncommitted change(s) in {root} ({', '.join(changed[:5])}"
+                + (", ..." if len(changed) > 5 else "")
+                + f") are not published: boxes fetch commits, and this publishes {rev[:12]}"
+            )
         )
     return rev
 
