@@ -8,8 +8,9 @@ against `proc.run` of the same binary as the caller, unconfined.
 The two take turns N times in this one process, so a noisy machine slows
 them alike; the medians and their ratio are printed. What the difference
 buys is in prepare/host/confine.py; what it costs is one interpreter started
-with -I -S (the helper that drops the privileges and waits as the
-namespace's parent), on a smoke run that itself loads libtorch and wakes a
+with -I -S (prepare/host/confine_helper.py, which drops the privileges and
+waits as the namespace's parent, importing only the cheapest of the
+standard library), on a smoke run that itself loads libtorch and wakes a
 GPU (seconds).
 """
 

@@ -3,14 +3,17 @@ against a bare `nix build` of the same attributes with the same flags, on
 the ordinary test flake and on an evaluation-heavy one (an attribute set
 generated on the way to `fdl`, as costly to evaluate as nixpkgs: seconds).
 
-    python bench/warm_path.py [-n 9] [--demo]
+    python bench/warm_path.py [-n 9] [--demo | --stand-in]
 
 Offline (NIX_CONFIG `substituters =`), against flat copies of the test flake
 (the real cpu libtorch: PyTorch's CPU wheel, which scripts/setup puts in the
 store) and the example training source (examples/trainer, a Rust crate whose
 smoke run takes one training step) in a temp git repository,
 `--cpu-only --libtorch cpu`; with `--demo`, the ordinary flake is the one
-scripts/demo uses. One warm-up run builds everything; then the commands take
+scripts/demo uses. With `--stand-in`, both flakes are the suite's ordinary
+test flake (`test_flake`: the /bin/sh stand-in libtorch) and the source a
+shell-built trainer whose smoke run is a shell script: fdl-prepare's own
+cost, with no training step to subtract. One warm-up run builds everything; then the commands take
 turns N times in this one process, so a noisy machine slows them alike, and
 the medians and the ratios are printed. Targets: at most 3x on the ordinary
 flake, at most 0.5x on the heavy one (a warm attempt evaluates nothing, the
@@ -47,12 +50,18 @@ sys.path.insert(0, str(REPO))
 # The tests' offline configuration, which also lends the test flake's host
 # tools to Nix's build sandbox where it is on (Debian 13).
 sys.path.insert(0, str(REPO / "tests"))
-from nix_fixtures import NIX_CONFIG, flat_copy  # noqa: E402 - found through the path set just above
+from nix_fixtures import NIX_CONFIG, flat_copy, manifest_text  # noqa: E402 - found through the path set just above
 
 
-def example_source(dest: Path) -> str:
-    # A target/ left by a local cargo build is not part of the source.
-    shutil.copytree(REPO / "examples" / "trainer", dest, ignore=shutil.ignore_patterns("target"))
+def example_source(dest: Path, *, stand_in: bool = False) -> str:
+    if stand_in:
+        # What the stand-in flake can build: a shell script, smoke-run too.
+        dest.mkdir()
+        build = "printf '#!/bin/sh\\necho trained\\n' > train && chmod +x train"
+        (dest / ".fdl-run.toml").write_text(manifest_text(bin="train", build=build, smoke=["--smoke"]))
+    else:
+        # A target/ left by a local cargo build is not part of the source.
+        shutil.copytree(REPO / "examples" / "trainer", dest, ignore=shutil.ignore_patterns("target"))
     env = {
         **os.environ,
         "GIT_AUTHOR_NAME": "bench",
@@ -203,14 +212,14 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
     return med
 
 
-def count_evaluations(flake: str, tmp: Path, env: dict[str, str]) -> tuple[int, int, int, int]:
+def count_evaluations(flake: str, tmp: Path, env: dict[str, str], *, stand_in: bool) -> tuple[int, int, int, int]:
     """Evaluations of a warm attempt, of one with nothing recorded (a new
     state directory), of one after a new commit on the source's ref, and of
     one after the flake changed but its variants did not (a nixpkgs bump)."""
     bin_dir, log = counting_nix(tmp / "counting")
     counted = {**env, "PATH": f"{bin_dir}:{env.get('PATH', '')}"}
     source_dir = tmp / "counted-source"
-    source = example_source(source_dir)
+    source = example_source(source_dir, stand_in=stand_in)
     state = tmp / "state-counted"
     cli = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", flake, "--source", source]
     cli += ["--state-dir", str(state)]
@@ -239,7 +248,9 @@ def count_evaluations(flake: str, tmp: Path, env: dict[str, str]) -> tuple[int, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-n", type=int, default=9, help="alternations per flake (default 9)")
-    parser.add_argument("--demo", action="store_true", help="the ordinary flake as scripts/demo references it")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--demo", action="store_true", help="the ordinary flake as scripts/demo references it")
+    which.add_argument("--stand-in", action="store_true", help="the suite's stand-in libtorch and a shell trainer")
     args = parser.parse_args()
     if shutil.which("nix") is None:
         print("nix is not installed: nothing to measure", file=sys.stderr)
@@ -253,9 +264,13 @@ def main() -> int:
     try:
         env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "HOME": str(tmp / "home")}
         (tmp / "home").mkdir()
-        source = example_source(tmp / "source")
-        ordinary = f"git+file://{REPO}?dir=tests/flake" if args.demo else f"path:{flat_copy(tmp / 'flake')}"
-        heavy = f"path:{flat_copy(tmp / 'heavy')}"
+        source = example_source(tmp / "source", stand_in=args.stand_in)
+        ordinary = (
+            f"git+file://{REPO}?dir=tests/flake"
+            if args.demo
+            else f"path:{flat_copy(tmp / 'flake', stand_in=args.stand_in)}"
+        )
+        heavy = f"path:{flat_copy(tmp / 'heavy', stand_in=args.stand_in)}"
         (tmp / "heavy" / "heavy.nix").write_text(f"{HEAVY}\n")
         figures = {}
         for name, flake in (("ordinary", ordinary), ("heavy", heavy)):
@@ -263,7 +278,7 @@ def main() -> int:
             if got is None:
                 return 1
             figures[name] = got
-        warm, cold, commit, flake_changed = count_evaluations(heavy, tmp, env)
+        warm, cold, commit, flake_changed = count_evaluations(heavy, tmp, env, stand_in=args.stand_in)
         print(f"rounds: {args.n} per flake (rotated)")
         for name, target in (("ordinary", 3.0), ("heavy", 0.5)):
             ratio = (figures[name]["cli"] - figures[name]["smoke"]) / figures[name]["bare"]

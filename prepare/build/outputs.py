@@ -15,9 +15,8 @@ import json
 import os
 from typing import Any
 
-from prepare.host import dirs
-from prepare.host import human
-from prepare.host import state as state_mod
+from prepare.host import dirs, human
+from prepare.host.state import RECIPE_FILE, opened_dir, recipe_strays, write_at
 from prepare.nix.log import Log, store_name
 
 
@@ -37,10 +36,10 @@ def write_recipe(state: str, recipe: dict[str, Any]) -> str:
     try:
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o755)
-        with state_mod.opened_dir(state, "state directory") as state_fd:
-            state_mod.recipe_strays(directory, state_fd)
-            with state_mod.opened_dir(directory, what) as fd:
-                state_mod.write_at(fd, state_mod.RECIPE_FILE, data, tmp_dir=state_fd)
+        with opened_dir(state, "state directory") as state_fd:
+            recipe_strays(directory, state_fd)
+            with opened_dir(directory, what) as fd:
+                write_at(fd, RECIPE_FILE, data, tmp_dir=state_fd)
     except OSError as err:
         raise dirs.unusable(
             directory, f"the recipe handed to the flake ({directory}/recipe.json)", "the state directory", err,

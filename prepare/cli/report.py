@@ -234,19 +234,25 @@ def _surveyed(report: Report, survey: Any, seconds: float) -> None:
     print_notes(report.name, survey.notes)
 
 
-def _shown(result: Any) -> Shown:
-    """How `result` is shown: one line here for each kind of result a
-    command returns (its module imported only when it is shown)."""
-    from prepare.gpu.devices import Gpus
-    from prepare.publish.spec import Published
-    from prepare.spec import Prepared
+# How each kind of result a command returns is shown: one line here for
+# each, by the module and name of its type.
+_KINDS: tuple[tuple[str, str, Shown], ...] = (
+    ("prepare.spec", "Prepared", Shown(_prepared)),
+    ("prepare.publish.spec", "Published", Shown(_published)),
+    ("prepare.gpu.devices", "Gpus", Shown(_surveyed, notes_in_json=False)),
+)
 
-    kinds: tuple[tuple[type, Shown], ...] = (
-        (Prepared, Shown(_prepared)),
-        (Published, Shown(_published)),
-        (Gpus, Shown(_surveyed, notes_in_json=False)),
-    )
-    return next(shown for kind, shown in kinds if isinstance(result, kind))
+
+def _shown(result: Any) -> Shown:
+    """How `result` is shown. A kind's module is never imported here: a
+    result whose module was not imported cannot be of that kind, and
+    importing publish's to tell a Prepared from a Published would cost
+    every attempt its import."""
+    for module, name, shown in _KINDS:
+        kind = getattr(sys.modules.get(module), name, None)
+        if isinstance(kind, type) and isinstance(result, kind):
+            return shown
+    raise TypeError(f"no way to show a {type(result).__name__}: add it to _KINDS")
 
 
 # -- output that cannot be written -------------------------------------------------------------

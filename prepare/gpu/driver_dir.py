@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from prepare.fail import Fail
 from prepare.host import human, proc
-from prepare.host import state as state_mod
+from prepare.host.state import write_at
 from prepare.spec import DRIVER_DIR
 
 KERNEL_VERSION = "/proc/driver/nvidia/version"
@@ -255,7 +255,7 @@ def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list
             _replace_link(fd, target, name)
             mine[name] = target
         if mine != ours:
-            state_mod.write_at(fd, MANIFEST, (json.dumps(mine, indent=1, sort_keys=True) + "\n").encode())
+            write_at(fd, MANIFEST, (json.dumps(mine, indent=1, sort_keys=True) + "\n").encode())
     except OSError as err:
         raise _unwritable(directory, err) from None
     finally:

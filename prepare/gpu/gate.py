@@ -76,9 +76,9 @@ def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR
     unusable. NVML is what the loader finds, else the one in `driver_dir`
     (prepare.gpu.driver_dir), as a Nix-built program finds the driver."""
     env = os.environ if env is None else env
-    from prepare.gpu import amd as amd_mod
+    from prepare.gpu.amd import survey as survey_amd
 
-    amd = amd_mod.survey(env)
+    amd = survey_amd(env)
     try:
         gpus = nvml.survey(env, driver_dir)
     except NvmlUnusable as fail:

@@ -314,9 +314,9 @@ def _init(pynvml: Any, driver_dir: str) -> None:
     except pynvml.NVMLError as err:
         if getattr(err, "value", None) != _LIBRARY_NOT_FOUND:
             raise
-        from prepare.gpu import driver_dir as driver_dir_mod
+        from prepare.gpu.driver_dir import preload_nvml
 
-        if not driver_dir_mod.preload_nvml(driver_dir):
+        if not preload_nvml(driver_dir):
             raise
         pynvml.nvmlInit()
 

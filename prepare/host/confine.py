@@ -30,29 +30,19 @@ time fdl-prepare executes that code itself) gets nothing of root's:
 Not root, fdl-prepare runs the binary as itself, with the same clean
 environment, capabilities cleared, `no_new_privs` and the subreaper.
 
-The work is done by this file run as a script (`python -I -S confine.py
-CONFIG -- ARGV`, by `prepare.host.proc`): a fresh, single-threaded interpreter
-may fork freely, which a threaded caller (a join loop) may not. It needs
-nothing but the standard library, since `-I` keeps the package off its
-path. It reports on the status fd it is given, one line per fact: `mode
-pidns|reaper`, then `exec <errno>` or `setup <step> <errno>` if the binary
-never started, and `done` at the end.
+The work is done by prepare/host/confine_helper.py run as a script, by
+`prepare.host.proc` (`command` here gives its command line): a fresh,
+single-threaded interpreter may fork freely, which a threaded caller (a
+join loop) may not. This module is the library's side: who the run is,
+its home and its environment.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
-import json
 import os
-import select
-import signal
 import stat
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 # The user the smoke run runs as, when fdl-prepare is root.
 DEFAULT_USER = "nobody"
@@ -77,22 +67,6 @@ CLEAN_ENV = frozenset(
 )
 CLEAN_PREFIXES = ("LC_", "NVIDIA_")
 
-# linux/sched.h, linux/prctl.h, linux/capability.h
-_CLONE_NEWPID = 0x20000000
-_PR_SET_PDEATHSIG = 1
-_PR_CAPBSET_DROP = 24
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_CAP_AMBIENT = 47
-_PR_CAP_AMBIENT_CLEAR_ALL = 4
-_CAPABILITY_VERSION_3 = 0x20080522
-
-# Signals that ask the helper to stop the run (a timeout, an interrupt).
-_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-# How long the helper keeps killing what the run left (reaper mode): a
-# process stuck in the kernel (a dead mount) cannot be killed at all.
-_SWEEP_S = 5.0
-
 
 def clean_env(environ: dict[str, str] | os._Environ[str], home: str) -> dict[str, str]:
     """The smoke run's environment: the caller's PATH, locale, GPU masks and
@@ -104,14 +78,20 @@ def clean_env(environ: dict[str, str] | os._Environ[str], home: str) -> dict[str
     return env
 
 
-def config(
-    *, uid: int | None, gid: int | None, groups: tuple[int, ...], env: dict[str, str], status_fd: int, pidns: bool
-) -> str:
-    """The helper's first argument. The environment travels in it, not as
-    the helper's own: Python coerces a C locale at start (PEP 538) by
-    setting LC_CTYPE, which the run must not inherit."""
-    settings = {"uid": uid, "gid": gid, "groups": list(groups), "env": env, "status": status_fd, "pidns": pidns}
-    return json.dumps(settings, sort_keys=True)
+def command(confinement: Confinement, status_fd: int, argv: list[str], *, pidns: bool = True) -> list[str]:
+    """The helper's command line that runs `argv` confined, reporting on
+    `status_fd` (prepare/host/confine_helper.py reads it back in this
+    order). The environment travels in it as KEY=VALUE words, not as the
+    helper's own: Python coerces a C locale at start (PEP 538) by setting
+    LC_CTYPE, which the run must not inherit."""
+    from prepare.host import confine_helper
+
+    c = confinement
+    ids = ["-" if c.uid is None else str(c.uid), "-" if c.gid is None else str(c.gid)]
+    groups = ",".join(str(g) for g in c.groups) or "-"
+    env = [f"{k}={v}" for k, v in sorted(c.env.items())]
+    helper = [sys.executable or "python3", "-I", "-S", confine_helper.__file__]
+    return [*helper, *ids, groups, str(status_fd), "1" if pidns else "0", *env, "--", *argv]
 
 
 # -- the library side ------------------------------------------------------------------------
@@ -246,193 +226,3 @@ def _make_home(uid: int | None, gid: int | None, environ: dict[str, str] | os._E
         f"no temporary directory the smoke run's user can use (tried {', '.join(c for c in candidates if c)}): "
         "make /tmp enterable and writable (`chmod 1777 /tmp`), or set TMPDIR to one that is",
     )
-
-
-# -- the helper, run as a script ---------------------------------------------------------------
-
-
-class _Stop(Exception):
-    """A stop was asked for (SIGTERM from a timeout, SIGINT, SIGHUP)."""
-
-
-def _on_stop(signum: int, frame: Any) -> None:
-    raise _Stop()
-
-
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(result: int, step: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{step}: {os.strerror(err)}")
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-
-def _last_cap() -> int:
-    try:
-        with open("/proc/sys/kernel/cap_last_cap", encoding="ascii") as handle:
-            return int(handle.read())
-    except (OSError, ValueError):
-        return 63
-
-
-def _say(fd: int, line: str) -> None:
-    with contextlib.suppress(OSError):
-        os.write(fd, (line + "\n").encode())
-
-
-def _become(cfg: dict[str, Any], args: list[str], life: int, err: int) -> NoReturn:
-    """The run itself (PID 1 of its namespace, where there is one): drop
-    everything, then exec. Any step that fails is reported, and nothing
-    runs."""
-    libc = _libc()
-    step = "signals"
-    try:
-        for signum in (*_STOPPING, signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        uid, gid = cfg["uid"], cfg["gid"]
-        if uid is not None:
-            step = "groups"
-            os.setgroups(cfg["groups"])
-            step = "gid"
-            os.setresgid(gid, gid, gid)
-            # Only while still root: dropping the bounding set takes CAP_SETPCAP.
-            step = "bounding"
-            for cap in range(_last_cap() + 1):
-                _check(libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), step)
-            step = "uid"
-            os.setresuid(uid, uid, uid)
-        step = "ambient"
-        if libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
-            _check(-1, step)
-        step = "capabilities"
-        header, data = _CapHeader(_CAPABILITY_VERSION_3, 0), (_CapData * 2)()
-        _check(libc.capset(ctypes.byref(header), data), step)
-        step = "no_new_privs"
-        _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), step)
-        # After the uid change, which clears it.
-        step = "parent death signal"
-        _check(libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), step)
-        if select.select([life], [], [], 0)[0]:
-            # The helper died before the signal was set: nobody waits.
-            os._exit(128 + signal.SIGKILL)
-        step = "exec"
-        os.execve(args[0], args, cfg["env"])
-    except OSError as failed:
-        _say(err, f"{'exec' if step == 'exec' else 'setup ' + step.replace(' ', '_')} {failed.errno or 0}")
-    except BaseException:  # noqa: BLE001 (nothing may run after a failed step)
-        _say(err, f"setup {step.replace(' ', '_')} 0")
-    os._exit(127)
-
-
-def _children(me: int) -> list[int]:
-    pids: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{me}/task"):
-            with open(f"/proc/{me}/task/{task}/children", encoding="ascii") as handle:
-                pids += [int(p) for p in handle.read().split()]
-        return pids
-    except (OSError, ValueError):
-        pass
-    # Without CONFIG_PROC_CHILDREN: every process's parent, from its stat.
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as handle:
-                fields = handle.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if len(fields) > 1 and fields[1] == str(me):
-            pids.append(int(name))
-    return pids
-
-
-def _reap() -> None:
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def _sweep() -> None:
-    """Kill and reap everything the run left, which a subreaper inherits:
-    a killed process's own children come to us next, round after round."""
-    me = os.getpid()
-    deadline = time.monotonic() + _SWEEP_S
-    while time.monotonic() < deadline:
-        _reap()
-        left = _children(me)
-        if not left:
-            return
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.005)
-
-
-def main(argv: list[str]) -> NoReturn:
-    cfg = json.loads(argv[1])
-    args = argv[3:]
-    status = int(cfg["status"])
-    libc = _libc()
-    mode = "reaper"
-    if cfg.get("pidns") and libc.unshare(_CLONE_NEWPID) == 0:
-        mode = "pidns"
-    else:
-        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    life_r, life_w = os.pipe()
-    err_r, err_w = os.pipe()
-    signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOPPING))
-    for signum in _STOPPING:
-        signal.signal(signum, _on_stop)
-    pid = os.fork()
-    if pid == 0:
-        os.close(life_w)
-        os.close(err_r)
-        os.close(status)
-        _become(cfg, args, life_r, err_w)
-    os.close(life_r)
-    os.close(err_w)
-    _say(status, f"mode {mode}")
-    stopped = False
-    code = 0
-    try:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_STOPPING))
-        failed = b""
-        while chunk := os.read(err_r, 256):
-            failed += chunk
-        if failed:
-            _say(status, failed.decode("ascii", "replace").strip())
-        _, code = os.waitpid(pid, 0)
-    except _Stop:
-        stopped = True
-    signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOPPING))
-    if stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        _, code = os.waitpid(pid, 0)
-    # In a PID namespace the kernel killed the rest when its init ended.
-    if mode == "reaper":
-        _sweep()
-    _say(status, "done")
-    if os.WIFSIGNALED(code):
-        os._exit(128 + os.WTERMSIG(code))
-    os._exit(os.WEXITSTATUS(code))
-
-
-if __name__ == "__main__":
-    main(sys.argv)

@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -181,13 +180,10 @@ def start(
     command = [resolved, *argv[1:]]
     status: tuple[int, int] | None = None
     if confine is not None:
-        from prepare.host import confine as confine_mod
+        from prepare.host.confine import command as confined
 
         status = os.pipe()
-        settings = confine_mod.config(
-            uid=confine.uid, gid=confine.gid, groups=confine.groups, env=confine.env, status_fd=status[1], pidns=True
-        )
-        command = [sys.executable or "python3", "-I", "-S", confine_mod.__file__, settings, "--", *command]
+        command = confined(confine, status[1], command)
     try:
         child = subprocess.Popen(
             command,
