@@ -648,7 +648,7 @@ in
         StateDirectory = "fdl-prepare";
         StateDirectoryMode = "0750";
 
-        # Sandboxing, as in systemd/fdl-prepare.service (README.md,
+        # Sandboxing, as in systemd/fdl-prepare.service (docs/HARDENING.md,
         # "Hardened units"): nothing that gives the unit a mount namespace
         # (the sshfs mount must reach the host) and no device ACL
         # (/dev/nvidia*, /dev/kfd, /dev/dri, /dev/fuse stay reachable).

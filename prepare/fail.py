@@ -12,9 +12,8 @@ chosen where the Fail is raised, and the reason decides the kind. `REASONS`
 is the one table of them: each code, its kind and what it means. A call site
 names only the reason and the message (`raise Fail("gpu.no-device", ...)`),
 so no two places can give one reason two kinds. The codes are also a
-`Literal`, so mypy refuses one that is not listed, and README.md's "Reason
-codes" table is this table, row for row (tests/test_reasons.py compares the
-two). The message stays the operator's; the reason is the machine's, and
+`Literal`, so mypy refuses one that is not listed, and docs/REASONS.md's
+table is this table, row for row (tests/test_reasons.py compares the two). The message stays the operator's; the reason is the machine's, and
 never changes wording.
 """
 
@@ -123,7 +122,7 @@ TRANSIENT: Kind = "transient"
 
 class Row(NamedTuple):
     kind: Kind
-    # As README.md's table says it (Markdown).
+    # As docs/REASONS.md's table says it (Markdown).
     meaning: str
 
 
@@ -304,7 +303,7 @@ REASONS: dict[Reason, Row] = {
 class Fail(Exception):
     """Preparation stopped. `message` is written for an operator: it quotes the
     bad value, names the field or flag to change, and the command that fixes it.
-    `reason` is the stable code a controller acts on (README: Reason codes);
+    `reason` is the stable code a controller acts on (docs/REASONS.md);
     the kind (`permanent`, `kind`) follows from it."""
 
     def __init__(self, reason: Reason, message: str) -> None:

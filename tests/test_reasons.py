@@ -1,6 +1,7 @@
 """Reason codes: `prepare.fail.REASONS` is the one table (each code, its
-kind, its meaning), README.md's "Reason codes" table is that table row for
-row, and the kind of a Fail is its reason's. A reason in the table that
+kind, its meaning), docs/REASONS.md's table is that table row for row, and
+README.md's short table names every family of it; the kind of a Fail is
+its reason's. A reason in the table that
 the package names nowhere is a dead row."""
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ PACKAGE = ROOT / "prepare"
 ROW = re.compile(r"^\| `([a-z]+\.[a-z-]+)` \| (permanent|transient) \| (.+) \|$")
 
 
+DOC = ROOT / "docs" / "REASONS.md"
+
+
 def documented() -> list[tuple[str, str, str]]:
-    """(reason, kind, meaning), in order, from README.md's "Reason codes" table."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("\n## Reason codes\n", 1)[1].split("\n## ", 1)[0]
+    """(reason, kind, meaning), in order, from docs/REASONS.md's table."""
+    text = DOC.read_text()
+    section = text.split("\n## The table\n", 1)[1].split("\n## ", 1)[0]
     lines = [line for line in section.splitlines() if line.startswith("| `")]
     rows = [ROW.match(line) for line in lines]
     assert all(rows), [line for line, row in zip(lines, rows, strict=True) if not row]
@@ -36,7 +40,19 @@ def table_rows() -> list[tuple[str, str, str]]:
 
 def test_the_readme_table_is_the_reason_table_row_for_row():
     expected = "\n".join(f"| `{r}` | {kind} | {meaning} |" for r, kind, meaning in table_rows())
-    assert documented() == table_rows(), f"README.md's Reason codes rows should read:\n{expected}"
+    assert documented() == table_rows(), f"docs/REASONS.md's rows should read:\n{expected}"
+
+
+def families() -> list[str]:
+    """The families README.md's "Exit codes and reasons" table names, in order."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Exit codes and reasons\n", 1)[1].split("\n## ", 1)[0]
+    return [m.group(1) for m in re.finditer(r"^\| `([a-z]+)\.\*` \|", section, re.MULTILINE)]
+
+
+def test_the_readme_names_every_family_of_reasons_once_in_the_tables_order():
+    in_order = list(dict.fromkeys(reason.split(".")[0] for reason in REASONS))
+    assert families() == in_order
 
 
 def test_the_table_lists_exactly_the_reasons_the_type_allows_in_its_order():

@@ -24,6 +24,9 @@ from prepare.cli import EXIT_PERMANENT, EXIT_SOFTWARE, EXIT_TRANSIENT
 
 UNIT = REPO / "systemd" / "fdl-prepare.service"
 DOCS = REPO / "README.md"
+# What the journal shows (docs/SYSTEMD.md), and the units' sandbox (docs/HARDENING.md).
+JOURNAL_DOCS = REPO / "docs" / "SYSTEMD.md"
+SANDBOX_DOCS = REPO / "docs" / "HARDENING.md"
 
 # Keys systemd learnt in 254; older releases warn and ignore them.
 NEWER_KEYS = {254: ("RestartSteps", "RestartMaxDelaySec")}
@@ -228,7 +231,7 @@ def test_systemd_names_the_two_exit_codes_as_the_docs_show_them():
     done = subprocess.run(["systemd-analyze", "exit-status", "75", "78"], capture_output=True, text=True)
     assert re.search(r"^TEMPFAIL\s+75\b", done.stdout, re.M), done.stdout
     assert re.search(r"^CONFIG\s+78\b", done.stdout, re.M), done.stdout
-    docs = DOCS.read_text()
+    docs = JOURNAL_DOCS.read_text()
     assert "status=75/TEMPFAIL" in docs and "status=78/CONFIG" in docs
 
 
@@ -304,7 +307,7 @@ def test_systemd_analyze_security_scores_both_units_as_the_readme_says(tmp_path,
         assert after <= before - 2.5, scores
     if version == 252:
         assert scores == [(9.6, 6.6), (9.6, 6.6)]
-    assert "`systemd-analyze security` scores both units 9.6 before and 6.6 now" in DOCS.read_text()
+    assert "`systemd-analyze security` scores both units 9.6 before and 6.6 now" in SANDBOX_DOCS.read_text()
 
 
 @pytest.mark.nix
