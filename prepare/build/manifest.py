@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from prepare.host import human
 from prepare.fail import Fail
+from prepare.host import human
 
 if sys.version_info >= (3, 11):
     import tomllib

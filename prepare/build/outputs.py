@@ -15,8 +15,7 @@ import json
 import os
 from typing import Any
 
-from prepare.host import dirs
-from prepare.host import human
+from prepare.host import dirs, human
 from prepare.host import state as state_mod
 from prepare.nix.log import Log, store_name
 

@@ -1,0 +1,67 @@
+"""Step 6: the training source, fetched, and the recipe it brings.
+
+The source is fetched once per attempt (`nix flake prefetch`), which
+re-resolves a moving ref, so a re-dial after a new publish sees the new
+commit. The build then gets *that* tree by store path and NAR hash
+(`--override-input source path:<store>?narHash=`), never the URL: the ref
+cannot move between fetch and build. On a re-dial of the source the box
+built before, the fetch was started beside the flake's resolution, in step
+5 (prepare.build.warm), and is only waited for here.
+
+The run manifest is read from the fetched tree and merged over the box's
+own recipe (the manifest wins: everything in it belongs to the run), and
+the recipe's `cwd` must be a directory of that tree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prepare.build import manifest
+from prepare.nix.runner import PendingFetch, Prefetched
+
+if TYPE_CHECKING:
+    from prepare.build.workspace import Workspace
+    from prepare.spec import SourceSpec
+
+
+@dataclass(frozen=True)
+class Source:
+    """The training source as fetched, and the recipe it brings."""
+
+    fetched: Prefetched
+    recipe: manifest.Recipe
+
+
+def start_fetch(ws: Workspace, url: str) -> PendingFetch:
+    """The training source's fetch, started: its `result` is step 6's."""
+    return ws.nix.start_prefetch(
+        url, doing=f"fetching the training source {url!r} (source.from, --source)", unreachable="source.unreachable"
+    )
+
+
+def fetch(ws: Workspace, box: SourceSpec, started: PendingFetch | None, notes: list[str]) -> Source:
+    """The source `box` names, fetched (or the fetch `started` already,
+    waited for), and its run manifest merged over `box`, the box's own
+    recipe."""
+    url = box.from_
+    assert url is not None  # the plan refused a source without one
+    ws.step("fetch", f"training source {url}")
+    fetched = (started or start_fetch(ws, url)).result()
+    _note_fetched(fetched, notes)
+    found = manifest.read(fetched.store_path)
+    recipe = manifest.merge(box, found, url)
+    manifest.check_tree(recipe, fetched.store_path, url)
+    notes.extend(manifest.notes_for(recipe, found, time.time()))
+    return Source(fetched=fetched, recipe=recipe)
+
+
+def _note_fetched(fetched: Prefetched, notes: list[str]) -> None:
+    rev = (fetched.locked or {}).get("rev") if fetched.locked else None
+    notes.append(
+        f"training source {fetched.url} fetched: {fetched.store_path}"
+        + (f" (rev {str(rev)[:12]})" if rev else "")
+        + f", {fetched.nar_hash}"
+    )
