@@ -104,6 +104,18 @@ def test_a_sigkilled_prepare_leaves_no_nix_to_rewrite_the_out_links(nix_env, tes
         for pid, _ in procs_with(f"sleep {marker}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        _forget_killed_attempt(state_dir)
+
+
+def _forget_killed_attempt(state_dir: str) -> None:
+    """What a killed attempt left (its TMPDIR and build-dir, recorded in
+    <state>/nix-tmp), which the next attempt on this state directory would
+    have removed: none comes after a test (on 2.34 it is in the box's
+    /nix/var/nix/builds)."""
+    with contextlib.suppress(OSError):
+        for line in Path(state_dir, "nix-tmp").read_text().splitlines():
+            if Path(line).name.startswith("fdl-prepare-nix."):
+                shutil.rmtree(line, ignore_errors=True)
 
 
 def _ours(parent: Path) -> set[Path]:
@@ -165,6 +177,7 @@ def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt
         for pid, _ in procs_with(f"sleep {marker}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        _forget_killed_attempt(state_dir)
         shutil.rmtree(tmp, ignore_errors=True)
         for mine in _ours(NIX_BUILDS) - before:
             shutil.rmtree(mine, ignore_errors=True)
