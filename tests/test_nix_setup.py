@@ -181,6 +181,7 @@ def test_a_build_dir_under_a_directory_others_can_write_is_permanent_and_names_t
         ("ssh-ng://builder.invalid", "daemon"),
         # A local store of its own somewhere else: TMPDIR's own covers it.
         ("local?root=/srv/fdl-chroot", None),
+        ("/srv/fdl-chroot", None),
     ],
 )
 def test_a_store_another_process_builds_for_is_given_no_build_dir_of_ours(

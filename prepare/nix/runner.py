@@ -317,11 +317,14 @@ class Nix:
         the daemon."""
         if store in (None, "", "auto"):
             return os.access(self._state_of_nix(), os.R_OK | os.W_OK)
-        if store == "local":
+        if store in ("local", "local://"):
             return True
-        if store == "daemon" or (isinstance(store, str) and "://" in store):
-            return False
-        return None
+        # A local store with a root or a state of its own: 2.8 and 2.26 print
+        # `local?root=/r` and `/r` as given, 2.34 `local://?root=/r` and
+        # `local:///r`.
+        if not isinstance(store, str) or store.startswith(("local", "/")):
+            return None
+        return False
 
     def _state_of_nix(self) -> str:
         return self._environ().get("NIX_STATE_DIR") or NIX_STATE_DIR
