@@ -75,6 +75,7 @@ BUILD_GRACE_S = 120.0
 BUILD_DIR_DEFAULT_FROM = (2, 30)
 NIX_STATE_DIR = "/nix/var/nix"
 SETTINGS_TIMEOUT_S = 60.0
+CONFIG_SHOW_FROM = (2, 20)
 
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -262,11 +263,15 @@ class Nix:
         (nix.conf, NIX_CONFIG, NIX_REMOTE, its command line); one it does
         not have is left out. None when it could not say.
 
-        `nix config show` on current Nix (2.34 warns that `show-config` is
-        its deprecated alias); 2.8 has only `show-config`. With --json both
-        print `{"<name>": {"value": ..., ...}}`."""
+        `nix config show` from 2.20 (2.34 warns that `show-config` is its
+        deprecated alias); 2.8 has only `show-config`, asked first where the
+        version says so (a process start saved). With --json both print
+        `{"<name>": {"value": ..., ...}}`."""
         base = [self.program, "--extra-experimental-features", FEATURES]
-        for command in (["config", "show", "--json"], ["show-config", "--json"]):
+        commands = [["config", "show", "--json"], ["show-config", "--json"]]
+        if self.version is not None and self.version[:2] < CONFIG_SHOW_FROM:
+            commands.reverse()
+        for command in commands:
             try:
                 done = proc.run([*base, *command], timeout=SETTINGS_TIMEOUT_S, env=self.env)
             except (proc.ExecFailed, proc.TimedOut):
