@@ -238,11 +238,14 @@ REASONS: dict[Reason, Row] = {
     "nix.build-failed": Row(TRANSIENT, "the training build failed: the next publish may fix it"),
     "nix.flake-build-failed": Row(PERMANENT, "a build the flake itself provides (libtorch, its toolchain) failed"),
     "nix.hash-mismatch": Row(PERMANENT, "a fixed-output derivation's pinned hash is wrong"),
-    "nix.no-space": Row(PERMANENT, "the Nix store's disk is full, or the disk a build writes in (under `TMPDIR`)"),
+    "nix.no-space": Row(
+        PERMANENT,
+        "the Nix store's disk is full, or the disk a build writes in (under `TMPDIR`; from Nix 2.30 its `build-dir`)",
+    ),
     "nix.build-users-missing": Row(
         PERMANENT, "Nix's build users group does not exist (Debian's `nix-bin` without `nix-setup-systemd`)"
     ),
-    "nix.build-dir": Row(PERMANENT, "Nix's build users cannot enter the directory builds run in"),
+    "nix.build-dir": Row(PERMANENT, "Nix's build users cannot enter the directory builds run in, or Nix refuses it"),
     "nix.daemon-unreachable": Row(TRANSIENT, "the Nix daemon's socket is missing or not answering"),
     "nix.daemon-refused": Row(PERMANENT, "the Nix daemon refuses this user"),
     "nix.store-not-writable": Row(PERMANENT, "this user cannot write the Nix store"),

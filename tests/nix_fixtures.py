@@ -62,9 +62,11 @@ line contains `text`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -101,13 +103,13 @@ def _target(entry: str) -> str:
     return entry.split("=", 1)[0].removesuffix("?")
 
 
-def box_sandbox_paths() -> list[str]:
-    """The box's own `sandbox-paths`, as Nix resolves it (nix.conf, or the
-    built-in `/bin/sh=` shell that Debian's 2.26 and 2.34 have); empty
-    without Nix."""
+@functools.cache
+def box_settings() -> dict[str, str]:
+    """Every setting the box's Nix has, with its value as `nix config show`
+    prints it (nix.conf's, or the default); empty without Nix."""
     nix = shutil.which("nix")
     if nix is None:
-        return []
+        return {}
     # `config show` on current Nix (2.34 warns that `show-config` is its
     # deprecated alias); 2.8 has only `show-config`.
     for command in (["config", "show"], ["show-config"]):
@@ -117,14 +119,59 @@ def box_sandbox_paths() -> list[str]:
                 capture_output=True, text=True, timeout=60, check=False,
             )  # fmt: skip
         except (OSError, subprocess.TimeoutExpired):
-            return []
+            return {}
         if done.returncode == 0:
-            for line in done.stdout.splitlines():
-                name, _, value = line.partition(" = ")
-                if name == "sandbox-paths":
-                    return value.split()
-            return []
-    return []
+            return dict(line.partition(" = ")[::2] for line in done.stdout.splitlines() if " = " in line)
+    return {}
+
+
+def box_sandbox_paths() -> list[str]:
+    """The box's own `sandbox-paths`, as Nix resolves it (nix.conf, or the
+    built-in `/bin/sh=` shell that Debian's 2.26 and 2.34 have); empty
+    without Nix."""
+    return box_settings().get("sandbox-paths", "").split()
+
+
+def nix_version() -> tuple[int, int, int]:
+    from prepare.nix.runner import parse_nix_version
+
+    done = subprocess.run([require_nix(), "--version"], capture_output=True, text=True, timeout=60, check=True)
+    version = parse_nix_version(done.stdout)
+    assert version is not None, done.stdout
+    return version
+
+
+# Where Nix 2.30 and later make a build's directory unless nix.conf sets
+# build-dir: `builds` in its state directory, out of other users' reach.
+# 2.8 and 2.26 make it under TMPDIR.
+NIX_BUILDS = Path("/nix/var/nix/builds")
+
+
+def builds_follow_tmpdir() -> bool:
+    """Whether this Nix, with no build-dir set, makes a build's directory
+    under TMPDIR (2.8, 2.26) rather than in NIX_BUILDS (2.30 and later:
+    the documented change of build-dir's default)."""
+    return nix_version()[:2] < (2, 30)
+
+
+def private_dir(prefix: str) -> Path:
+    """A new directory on a path that no other user can write and every
+    user can pass through: where Nix 2.30 and later take a build-dir (they
+    refuse one under /tmp, or under any directory others can write, and a
+    build with the sandbox off must reach its own directory). Skips where
+    the box has none that root may write."""
+    for base in ("/run", "/var/lib", "/var/cache"):
+        chain = [Path(base), *Path(base).parents]
+        modes = [p.lstat().st_mode for p in chain if p.exists()]
+        if (
+            len(modes) == len(chain)
+            and all(stat.S_ISDIR(m) and not m & stat.S_IWOTH and m & stat.S_IXOTH for m in modes)
+            and os.access(base, os.W_OK)
+        ):
+            made = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+            made.chmod(0o755)
+            return made
+    pytest.skip("no directory here that root may write and no other user can (/run, /var/lib, /var/cache)")
 
 
 def sandbox_paths(lent: Sequence[str] = SANDBOX_LENT) -> str:
@@ -558,14 +605,15 @@ OTHER_UID = 54321
 
 @contextlib.contextmanager
 def nix_daemon_client(
-    test_flake: str, *, private_socket: bool = False, **runner: object
+    test_flake: str, *, private_socket: bool = False, daemon_env: Mapping[str, str] | None = None, **runner: object
 ) -> Iterator[tuple[object, Path]]:
     """A real `nix-daemon` on a socket of its own, and a runner (`prepare.nix.Nix`,
     with `runner` as its keyword arguments) that talks to it as another user
     (OTHER_UID, no groups), with a copy of the test flake that user may read.
     `private_socket` puts the socket in a directory only root may enter, so
-    the kernel refuses that user's connect. Yields (runner, flake directory);
-    skips without root, nix-daemon or setpriv."""
+    the kernel refuses that user's connect; `daemon_env` is added to the
+    daemon's environment. Yields (runner, flake directory); skips without
+    root, nix-daemon or setpriv."""
     from prepare.nix.runner import Nix
 
     if os.geteuid() != 0:
@@ -582,7 +630,7 @@ def nix_daemon_client(
         sock = socket_dir / "socket"
         proc = subprocess.Popen(
             [daemon],
-            env={**os.environ, "NIX_DAEMON_SOCKET_PATH": str(sock)},
+            env={**os.environ, **(daemon_env or {}), "NIX_DAEMON_SOCKET_PATH": str(sock)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -604,6 +652,28 @@ def nix_daemon_client(
             proc.terminate()
             proc.wait(timeout=10)
         shutil.rmtree(shared, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def small_disk(*, private: bool) -> Iterator[Path]:
+    """A 4 MiB tmpfs for a build's directory to fill: under /tmp and open
+    to all (1777, like a TMPDIR), or with `private` on a path no other user
+    can write (`private_dir`: a build-dir Nix 2.30 and later accept).
+    Skips without root or where no tmpfs can be mounted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    point = private_dir("fdl-small-builds-") if private else Path(tempfile.mkdtemp(prefix="fdl-small-tmp-", dir="/tmp"))
+    point.chmod(0o755)
+    mode = "755" if private else "1777"
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size=4m,mode={mode}", "tmpfs", str(point)], check=False)
+    if made.returncode != 0:
+        point.rmdir()
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+        point.rmdir()
 
 
 # The build steps of the pipeline (prepare.pipeline.STEPS), by name.

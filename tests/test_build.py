@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -16,11 +15,14 @@ import pytest
 from nix_fixtures import (
     BUILD,
     NIX_CONFIG,
+    box_settings,
     build,
+    builds_follow_tmpdir,
     manifest_text,
     procs_left,
     procs_with,
     require_nix,
+    small_disk,
     trainer,
     valid_path,
 )
@@ -317,38 +319,40 @@ def test_a_flake_error_holding_terminal_escapes_is_permanent_and_quoted_escaped(
     assert "bad\\x1b]0;owned\\x07 flake\\u202eekalf" in fail.message
 
 
-@pytest.fixture
-def small_tmpdir(monkeypatch):  # type: ignore[no-untyped-def]
-    """A 4 MiB tmpfs as TMPDIR, which Nix's build users can enter."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    point = Path(tempfile.mkdtemp(prefix="fdl-small-tmp-", dir="/tmp"))
-    point.chmod(0o755)
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=1777", "tmpfs", str(point)], check=False)
-    if made.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    monkeypatch.setenv("TMPDIR", str(point))
-    try:
-        yield point
-    finally:
-        subprocess.run(["umount", "-l", str(point)], check=False)
-        point.rmdir()
+@pytest.fixture(params=["TMPDIR", "build-dir"])
+def small_build_disk(request, monkeypatch):  # type: ignore[no-untyped-def]
+    """A 4 MiB tmpfs where this Nix makes a build's directory, and the
+    setting that put it there: TMPDIR, where Nix builds under it (2.8,
+    2.26), or Nix's build-dir (2.26 and later have the setting; from 2.30
+    it is where builds go, /nix/var/nix/builds unless nix.conf says)."""
+    setting = request.param
+    if setting == "TMPDIR" and not builds_follow_tmpdir():
+        pytest.skip("Nix 2.30 and later make no build's directory under TMPDIR: the build-dir case is theirs")
+    if setting == "build-dir" and "build-dir" not in box_settings():
+        pytest.skip("this Nix has no build-dir setting (2.8): it builds under TMPDIR, the TMPDIR case")
+    # Nix 2.30 and later refuse a build-dir that others can write, or one
+    # under such a directory (/tmp).
+    with small_disk(private=setting == "build-dir") as point:
+        if setting == "TMPDIR":
+            monkeypatch.setenv("TMPDIR", str(point))
+        else:
+            monkeypatch.setenv("NIX_CONFIG", f"{NIX_CONFIG}build-dir = {point}\n")
+        yield point, setting
 
 
-def test_a_full_tmpdir_during_the_build_is_permanent_naming_the_disk_not_the_training_source(
-    nix_env, test_flake, state_dir, git_source, small_tmpdir
+def test_a_full_build_disk_during_the_build_is_permanent_naming_that_disk_not_the_training_source(
+    nix_env, test_flake, state_dir, git_source, small_build_disk
 ):
+    point, setting = small_build_disk
     src = git_source(trainer(build="head -c 8000000 /dev/zero > weights.bin && printf '#!/bin/sh\\n' > train"))
-    try:
-        run(spec(test_flake, state_dir, src.url))
-    except Fail as failed:
-        fail = failed
-    else:
-        pytest.skip("this Nix builds outside TMPDIR (2.30 and later: its own build-dir under /nix/var/nix)")
+    fail = expect_fail(spec(test_flake, state_dir, src.url))
     assert fail.permanent and fail.reason == "nix.no-space", fail.message
-    assert f"the disk Nix builds on is full (the build directory, under TMPDIR={small_tmpdir})" in fail.message
-    assert f"df -h {small_tmpdir}" in fail.message and "No space left on device" in fail.message
+    where = f"TMPDIR={point}" if setting == "TMPDIR" else f"Nix's build-dir {point}"
+    assert f"the disk Nix builds on is full (the build directory, under {where})" in fail.message
+    assert f"df -h {point}" in fail.message and "No space left on device" in fail.message
     assert "fix the training source" not in fail.message
+    # The attempt's own directory went with it, on the disk it filled.
+    assert not list(point.glob("fdl-prepare-nix.*"))
 
 
 def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, git_source):

@@ -124,6 +124,14 @@ exec {real} "$@"
     )
     build(spec, [], nix_program=shim)
     argvs = [json.loads(line) for line in calls.read_text().splitlines()]
+    # Before the first call that may build, where builds run is asked, read
+    # only: `config show` (`show-config` on 2.8, which has no `config`).
+    probes = [argv for argv in argvs if "config" in argv or "show-config" in argv]
+    assert probes and all(
+        argv[-3:] == ["config", "show", "--json"] or argv[-2:] == ["show-config", "--json"] for argv in probes
+    )
+    assert argvs.index(probes[-1]) < next(i for i, argv in enumerate(argvs) if "eval" in argv)
+    argvs = [argv for argv in argvs if argv not in probes]
     subcommands = [next(a for a in argv if a in ("eval", "flake", "build", "--version")) for argv in argvs]
     # The flake resolved (no evaluation), its variants evaluated, the source
     # fetched, the build.
@@ -332,6 +340,10 @@ RECORDED = [
     (BUILD, "Cannot build '/nix/store/x-dep.drv'.\n       Reason: 1 dependency failed.", "builder", False),
     (BUILD, "timed out after 2 seconds", "timeout", False),
     (BUILD, 'opening lock file "/nix/var/nix/db/big-lock": Permission denied', "store-permission", True),
+    # A build-dir others can write (2.34; 2.30 adds "or a parent directory"),
+    # and one the build users cannot pass through with the sandbox off.
+    (BUILD, 'Path "/tmp" is world-writable or a symlink. That\'s not allowed for security.', "build-dir", True),
+    (BUILD, "sh: 1: cannot create /srv/builds/nix-11-1014727337/f: Permission denied", "build-dir", True),
     (
         FETCH,
         _fetching("git+file:///srv/nowhere?ref=main", 'Git repository "/srv/nowhere" does not exist.'),

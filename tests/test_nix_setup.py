@@ -16,10 +16,22 @@ from pathlib import Path
 
 import nix_fixtures
 import pytest
-from nix_fixtures import NIX_CONFIG, SANDBOX_LENT, build, nix_daemon_client, sandbox_paths, trainer
+from nix_fixtures import (
+    NIX_BUILDS,
+    NIX_CONFIG,
+    SANDBOX_LENT,
+    box_settings,
+    build,
+    builds_follow_tmpdir,
+    nix_daemon_client,
+    sandbox_paths,
+    small_disk,
+    trainer,
+)
 
 from prepare.fail import Fail
 from prepare.nix import runner as nix_mod
+from prepare.nix.diagnosis import BuildDir
 from prepare.nix.runner import Nix, build_result
 from prepare.spec import PrepareSpec, SourceSpec
 
@@ -133,6 +145,109 @@ def test_a_box_where_no_temporary_directory_is_enterable_is_refused_before_any_b
     kind, message = done.stdout.split("\n", 1)
     assert kind == "permanent"
     assert "cannot enter TMPDIR='/tmp', nor /tmp or /var/tmp" in message and "chmod 1777 /tmp" in message
+
+
+def test_a_build_dir_under_a_directory_others_can_write_is_permanent_and_names_the_installation(
+    nix_env, test_flake, git_source, tmp_path, monkeypatch
+):
+    # nix.conf's build-dir under /tmp, which anyone can write: Nix 2.30 and
+    # later refuse to build there (a builder's directory others can reach
+    # had let builds out of the sandbox), whatever the flake or the source.
+    _root_only()
+    if builds_follow_tmpdir():
+        pytest.skip("Nix before 2.30 builds under a directory others can write (its TMPDIR, /tmp) without a word")
+    shared = Path(tempfile.mkdtemp(prefix="fdl-open-builds-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        monkeypatch.setenv("NIX_CONFIG", f"{NIX_CONFIG}build-dir = {shared}\n")
+        src = git_source(trainer(nonce=_nonce()))
+        with pytest.raises(Fail) as caught:
+            build(_cpu_spec(test_flake, src.url, tmp_path), [])
+        # The attempt's own directory under it went all the same.
+        assert not list(shared.glob("fdl-prepare-nix.*"))
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+    fail = caught.value
+    assert fail.permanent and fail.reason == "nix.build-dir", fail.message
+    assert "world-writable" in fail.message
+    assert "Nix installation" in _fix(fail) and "not under /tmp" in _fix(fail)
+
+
+@pytest.mark.parametrize(
+    ("store", "setting"),
+    [
+        ("daemon", "daemon"),
+        ("unix:///run/fdl-elsewhere/socket", "daemon"),
+        ("ssh-ng://builder.invalid", "daemon"),
+        # A local store of its own somewhere else: TMPDIR's own covers it.
+        ("local?root=/srv/fdl-chroot", None),
+        ("/srv/fdl-chroot", None),
+    ],
+)
+def test_a_store_another_process_builds_for_is_given_no_build_dir_of_ours(
+    nix_env, tmp_path, monkeypatch, store, setting
+):
+    # Real Nix reads the setting (`config show` opens no store): where another
+    # process builds, that process's own settings decide where; a build-dir
+    # of ours would name a path on another host, or one it does not use.
+    monkeypatch.setenv("NIX_CONFIG", f"{NIX_CONFIG}store = {store}\n")
+    where = Nix(str(tmp_path)).where_builds()
+    assert (where.setting if where else None) == setting
+
+
+def test_a_local_store_builds_in_nix_s_build_dir_where_it_has_one(nix_env, tmp_path, monkeypatch):
+    _root_only()
+    runner = Nix(str(tmp_path))
+    where = runner.where_builds()
+    if "build-dir" not in box_settings():
+        assert where is None  # 2.8: builds follow TMPDIR, the attempt's own
+    elif builds_follow_tmpdir():
+        assert where is None  # 2.26 with none set: TMPDIR still
+    else:
+        assert where == BuildDir(str(NIX_BUILDS), "build-dir")
+    if "build-dir" in box_settings():
+        monkeypatch.setenv("NIX_CONFIG", f"{NIX_CONFIG}build-dir = /srv/fdl-builds\n")
+        assert Nix(str(tmp_path)).where_builds() == BuildDir("/srv/fdl-builds", "build-dir")
+
+
+_FILLS_ITS_BUILD_DIR = """{
+  outputs = { self }: {
+    big = derivation {
+      name = "fills-its-build-dir-NONCE";
+      system = "SYSTEM";
+      builder = "/bin/sh";
+      args = [ "-c" "/usr/bin/head -c 8000000 /dev/zero > big && echo done > $out" ];
+    };
+  };
+}
+"""
+
+
+def test_a_full_disk_under_the_daemons_builds_is_permanent_and_names_the_daemons_directory(nix_env, tmp_path):
+    # A real nix-daemon whose builds go to a 4 MiB tmpfs (its TMPDIR on 2.8
+    # and 2.26, its build-dir from 2.30), and a client that is another user.
+    # Where the daemon builds is its own to say: the client gives it no
+    # build-dir (a daemon takes none from a user it does not trust), and the
+    # failure names the daemon's directory, not the client's TMPDIR.
+    _root_only()
+    follows = builds_follow_tmpdir()
+    flake = tmp_path / "big"
+    flake.mkdir()
+    (flake / "flake.nix").write_text(
+        _FILLS_ITS_BUILD_DIR.replace("NONCE", _nonce()).replace("SYSTEM", nix_mod.system())
+    )
+    with small_disk(private=not follows) as point:
+        daemon_env = {"TMPDIR": str(point)} if follows else {"NIX_CONFIG": f"{NIX_CONFIG}build-dir = {point}\n"}
+        with nix_daemon_client(f"path:{flake}", daemon_env=daemon_env) as (runner, copy):
+            with pytest.raises(Fail) as caught:
+                runner.build([f"path:{copy}#big"], out_link=None)
+            argv = runner._common()
+    fail = caught.value
+    assert fail.permanent and fail.reason == "nix.no-space", fail.message
+    assert "No space left on device" in fail.message
+    assert "(the build directory, the Nix daemon's: under its build-dir" in fail.message
+    assert "restart nix-daemon" in _fix(fail) and "TMPDIR=" not in fail.message
+    assert "build-dir" not in [argv[i + 1] for i, a in enumerate(argv) if a == "--option"]
 
 
 def test_a_flake_build_that_cannot_find_its_tools_in_the_sandbox_blames_the_flake(

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, build, manifest_text, procs_with, trainer
+from nix_fixtures import NIX_BUILDS, NIX_CONFIG, build, builds_follow_tmpdir, manifest_text, procs_with, trainer
 
 from prepare.host import proc
 
@@ -104,25 +104,43 @@ def test_a_sigkilled_prepare_leaves_no_nix_to_rewrite_the_out_links(nix_env, tes
         for pid, _ in procs_with(f"sleep {marker}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        _forget_killed_attempt(state_dir)
 
 
-def _build_dirs(tmp: Path) -> list[str]:
-    return sorted(str(p.relative_to(tmp)) for p in tmp.rglob("nix-build-*") if p.is_dir())
+def _forget_killed_attempt(state_dir: str) -> None:
+    """What a killed attempt left (its TMPDIR and build-dir, recorded in
+    <state>/nix-tmp), which the next attempt on this state directory would
+    have removed: none comes after a test (on 2.34 it is in the box's
+    /nix/var/nix/builds)."""
+    with contextlib.suppress(OSError):
+        for line in Path(state_dir, "nix-tmp").read_text().splitlines():
+            if Path(line).name.startswith("fdl-prepare-nix."):
+                shutil.rmtree(line, ignore_errors=True)
+
+
+def _ours(parent: Path) -> set[Path]:
+    return set(parent.glob("fdl-prepare-nix.*")) if parent.is_dir() else set()
 
 
 @pytest.mark.nix
+@pytest.mark.parametrize("sandbox", ["true", "false"])
 def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt(
-    nix_env, test_flake, state_dir, git_source
+    nix_env, test_flake, state_dir, git_source, sandbox
 ):
     # A TMPDIR of this test's own that Nix's build users can enter.
     tmp = Path(tempfile.mkdtemp(prefix="fdl-sigkill-tmp-", dir="/tmp"))
     tmp.chmod(0o1777)
+    # Where this Nix makes a build's directory: under TMPDIR (2.8, 2.26), or
+    # in its build-dir (2.30 and later), where the attempt has one of its own.
+    parent = tmp if builds_follow_tmpdir() else NIX_BUILDS
+    before = _ours(NIX_BUILDS)
     marker = f"30.{os.getpid()}{time.time_ns() % 1000}"
     build = f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
     src = git_source({".fdl-run.toml": manifest_text(bin="train", build=build)})
     argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake]
     argv += ["--source", src.url, "--state-dir", state_dir]
-    env = {**os.environ, "NIX_CONFIG": NIX_CONFIG, "TMPDIR": str(tmp)}
+    env = {**os.environ, "NIX_CONFIG": f"{NIX_CONFIG}sandbox = {sandbox}\n", "TMPDIR": str(tmp)}
+    record = Path(state_dir, "nix-tmp")
     child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(REPO))
     try:
         deadline = time.monotonic() + 60
@@ -138,15 +156,20 @@ def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         assert _wait_gone(f"sleep {marker}", 10)
-        # What the killed build left: its directory, a copy of the source.
-        left = _build_dirs(tmp)
-        if not left:
-            pytest.skip("this Nix builds outside TMPDIR (2.30 and later: its own build-dir under /nix/var/nix)")
+        # What the killed build left: its directory (nix-build-<drv>-<n> up
+        # to 2.30, nix-<pid>-<n> since), a copy of the source, inside a
+        # directory of the attempt's own, which the attempt recorded.
+        recorded = [Path(line) for line in record.read_text().splitlines()]
+        assert recorded and all(p.parent in (tmp, parent) and p.name.startswith("fdl-prepare-nix.") for p in recorded)
+        left = [b for d in recorded if d.parent == parent for b in d.iterdir() if b.name.startswith("nix-")]
+        assert left, f"no build directory in {recorded}"
         src.commit({".fdl-run.toml": manifest_text(bin="train", build="printf '#!/bin/sh\\n' > train; chmod +x train")})
         done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
         assert done.returncode == 0, done.stderr
-        assert _build_dirs(tmp) == [], f"left behind: {_build_dirs(tmp)} (was {left})"
-        assert not [p for p in tmp.iterdir() if p.name.startswith("fdl-prepare-nix.")]
+        assert not [p for p in [*recorded, *left] if p.exists()], f"left behind: {left} (in {recorded})"
+        # The next attempt's own went at its end, with the record.
+        assert not record.exists()
+        assert not _ours(tmp) and _ours(NIX_BUILDS) == before
     finally:
         if child.poll() is None:
             child.kill()
@@ -154,4 +177,7 @@ def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt
         for pid, _ in procs_with(f"sleep {marker}"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        _forget_killed_attempt(state_dir)
         shutil.rmtree(tmp, ignore_errors=True)
+        for mine in _ours(NIX_BUILDS) - before:
+            shutil.rmtree(mine, ignore_errors=True)

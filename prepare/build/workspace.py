@@ -11,7 +11,8 @@ so), bounded, since afterwards its own run is a warm no-op. The lock covers
 the evaluation, the fetch and the build alike (steps 5 to 7): the recipe
 and the out-links they write are the state directory's, one set for the
 box. It is held by whoever runs the steps (the pipeline's ExitStack), and
-let go on every path, with Nix's TMPDIR of this attempt removed first.
+let go on every path, with Nix's TMPDIR (and build-dir) of this attempt
+removed first.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from prepare.build.plan import BuildPlan
 from prepare.fail import Fail
 from prepare.host import dirs, human, locks, state
 from prepare.nix import runner
+from prepare.nix.diagnosis import BuildDir
 from prepare.spec import Event, Progress
 
 # How long a prepare waits for another one holding <state>/lock. Waiting is
@@ -42,11 +44,15 @@ from prepare.spec import Event, Progress
 LOCK_WAIT_S = 6 * 3600.0
 LOCK_MARGIN_S = runner.EVAL_TIMEOUT_S + runner.FETCH_TIMEOUT_S + runner.BUILD_GRACE_S + 60.0
 
-# Nix's TMPDIR for one attempt: a directory of its own under the box's, so
-# that what a build leaves there (`nix-build-<drv>-<n>`, a copy of the
-# source) goes with the attempt, and, when a SIGKILL left it, with the next.
+# Nix's TMPDIR for one attempt, a directory of its own under the box's, and
+# where Nix builds in its build-dir instead, a build-dir of its own there:
+# what a build leaves in them (`nix-build-<drv>-<n>`, `nix-<pid>-<n>` from
+# 2.31, a copy of the source) goes with the attempt, and, when a SIGKILL
+# left it, with the next.
 NIX_TMP_PREFIX = "fdl-prepare-nix."
 NIX_TMP_RECORD = "nix-tmp"
+# Two paths, each at most PATH_MAX (4096 on Linux), one a line.
+RECORD_BYTES = 2 * 4097
 
 
 class Phases:
@@ -71,7 +77,7 @@ class Phases:
 @dataclass(frozen=True)
 class Workspace:
     """What step 4 made for steps 5 to 7: the state directory, the Nix
-    runner that uses it (the box's caches, this attempt's TMPDIR), the
+    runner that uses it (the box's caches, this attempt's TMPDIR and build-dir), the
     progress step emitter, and the system the flake's attributes are for."""
 
     state: str
@@ -238,52 +244,94 @@ def _locked(where: str, wait_s: float, step: Callable[[str, str], None], notes: 
 
 @contextmanager
 def _nix_tmp(where: str, nix: runner.Nix) -> Iterator[None]:
-    """Give `nix` a TMPDIR of this attempt's own under the one it has, its
-    path recorded in <state>/nix-tmp; remove the one a killed attempt left
-    first, and this one at the end. Where none can be made (the TMPDIR is
-    full), nix keeps its own: the build then says what is full."""
+    """Give `nix` a TMPDIR of this attempt's own under the one it has and,
+    before its first call that may build, a build-dir of the attempt's own
+    where builds do not follow TMPDIR (`_own_build_dir`); their paths are
+    recorded in <state>/nix-tmp, one a line. The ones a killed attempt left
+    go first, this attempt's at the end. Where one cannot be made (its disk
+    is full), nix keeps its own: the build then says what is full."""
     base = (nix.env if nix.env is not None else os.environ).get("TMPDIR") or "/tmp"
     record = os.path.join(where, NIX_TMP_RECORD)
     _remove_left_tmp(record)
+    made: list[str] = []
     try:
-        made = tempfile.mkdtemp(prefix=NIX_TMP_PREFIX, dir=base)
+        tmp = tempfile.mkdtemp(prefix=NIX_TMP_PREFIX, dir=base)
+        made.append(tmp)
         # Nix's build users enter it (a single-user Nix as root builds as them).
-        os.chmod(made, 0o755)
-        state.write_file(record, made.encode(), "state directory")
+        os.chmod(tmp, 0o755)
+        _record(record, made)
     except OSError:
-        yield
-        return
-    nix.env = {**(nix.env if nix.env is not None else os.environ), "TMPDIR": made}
-    nix.build_dir = base
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+        made.clear()
+    else:
+        nix.env = {**(nix.env if nix.env is not None else os.environ), "TMPDIR": tmp}
+        nix.builds = BuildDir(base, "TMPDIR")
+    nix.own_build_dir = lambda parent: _own_build_dir(parent, record, made)
     try:
         yield
     finally:
-        shutil.rmtree(made, ignore_errors=True)
+        nix.own_build_dir = None
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.unlink(record)
 
 
+def _own_build_dir(parent: str, record: str, made: list[str]) -> str | None:
+    """Nix 2.30 and later build in their build-dir (`parent`:
+    /nix/var/nix/builds unless nix.conf sets one), not under TMPDIR: a
+    build-dir of this attempt's own under it (`--option build-dir`) keeps
+    what a build leaves there with the attempt, as the TMPDIR of its own
+    does for earlier Nix, on the disk Nix would have used. 0711: the build
+    users must pass through it when the sandbox is off (Nix makes each
+    build's own directory inside, 0700 and theirs), and no one else may
+    list or write it (Nix refuses a build-dir under a directory others can
+    write). None, and Nix builds where it would have, when it cannot be
+    made or recorded (unrecorded, a SIGKILL would leave it for good)."""
+    try:
+        # What Nix would make at its first build, as Nix makes it.
+        os.makedirs(parent, 0o755, exist_ok=True)
+        own = tempfile.mkdtemp(prefix=NIX_TMP_PREFIX, dir=parent)
+    except OSError:
+        return None
+    made.append(own)
+    try:
+        os.chmod(own, 0o711)
+        _record(record, made)
+    except OSError:
+        made.remove(own)
+        shutil.rmtree(own, ignore_errors=True)
+        return None
+    return own
+
+
+def _record(record: str, made: list[str]) -> None:
+    state.write_file(record, "".join(f"{path}\n" for path in made).encode(), "state directory")
+
+
 def _remove_left_tmp(record: str) -> None:
-    """The directory an earlier attempt recorded and did not remove (it was
-    killed): removed when it is still one of ours (a real directory of this
-    user's, with our name), never through a link."""
+    """The directories an earlier attempt recorded and did not remove (it
+    was killed): each removed when it is still one of ours (a real
+    directory of this user's, with our name), never through a link."""
     try:
         fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return
     try:
         with os.fdopen(fd, "rb") as handle:
-            left = handle.read(4096).decode("utf-8", "replace").strip()
+            left = handle.read(RECORD_BYTES).decode("utf-8", "replace").splitlines()
     except OSError:
         return
-    with contextlib.suppress(OSError):
-        st = os.lstat(left)
-        if (
-            os.path.isabs(left)
-            and os.path.basename(left).startswith(NIX_TMP_PREFIX)
-            and stat.S_ISDIR(st.st_mode)
-            and st.st_uid == os.geteuid()
-        ):
-            shutil.rmtree(left, ignore_errors=True)
+    for path in left[:2]:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            if (
+                os.path.isabs(path)
+                and os.path.basename(path).startswith(NIX_TMP_PREFIX)
+                and stat.S_ISDIR(st.st_mode)
+                and st.st_uid == os.geteuid()
+            ):
+                shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.unlink(record)

@@ -82,7 +82,7 @@ ENTRY_NAMES = {
     "warm.json": "warm-path record",
     "flake-registry.json": "empty flake registry",
     "nix-version.json": "cached Nix version",
-    "nix-tmp": "record of Nix's build directory",
+    "nix-tmp": "record of Nix's build directories",
 }
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

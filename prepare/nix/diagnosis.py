@@ -25,6 +25,7 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from prepare.fail import PERMANENT, REASONS, Fail, Reason
 from prepare.host.redact import redact
@@ -38,6 +39,43 @@ BUILD = "build"
 # them to a cache.
 SIGN = "sign"
 COPY = "copy"
+
+
+@dataclass(frozen=True)
+class BuildDir:
+    """Where a build's directory is made, for the words a full disk gets.
+    `setting` says what chose `path`: TMPDIR (Nix without a build-dir
+    setting, or before 2.30 with none set), Nix's build-dir (its default
+    from 2.30, or nix.conf's), or the daemon, which builds where its own
+    settings say (`path` unknown here)."""
+
+    path: str
+    setting: Literal["TMPDIR", "build-dir", "daemon"]
+
+    def words(self) -> dict[str, str]:
+        if self.setting == "TMPDIR":
+            return {
+                "where": f"under TMPDIR={self.path}",
+                "look": f"see `df -h {self.path}`",
+                "move": "point TMPDIR at a larger disk",
+            }
+        if self.setting == "build-dir":
+            return {
+                "where": f"under Nix's build-dir {self.path}",
+                "look": f"see `df -h {self.path}`",
+                "move": "set build-dir in /etc/nix/nix.conf to a directory on a larger disk that no other user "
+                "can write (not under /tmp)",
+            }
+        return {
+            "where": "the Nix daemon's: under its build-dir, /nix/var/nix/builds unless its nix.conf sets one "
+            "(Nix 2.30 and later), or its TMPDIR (earlier Nix)",
+            "look": "see `df -h` of that directory",
+            "move": "point the daemon's at a larger disk (build-dir in its nix.conf, TMPDIR in its environment "
+            "before Nix 2.30) and restart nix-daemon",
+        }
+
+
+TMP = BuildDir("/tmp", "TMPDIR")
 
 # A value Nix quotes in a message: 2.8 and 2.26 write 'x' everywhere; 2.34
 # writes paths "x" (`getting status of "/p/github:a"`, `tarball "/x" does
@@ -91,8 +129,18 @@ _BUILD_USERS = rf"the group {_Q}{_IN}{_Q} specified in {_Q}build-users-group{_Q}
 # The build users cannot enter the directory Nix builds in (a single-user
 # Nix as root builds under its TMPDIR, e.g. libpam-tmpdir's /tmp/user/0 at
 # 0700). The runner gives Nix an enterable TMPDIR, so this is what is left
-# when the builds go through a daemon whose own TMPDIR is like that.
-_BUILD_DIR = r"nix-build-[^\s'\"/]*\.drv-\d+[^\n]*(permission denied|can't cd)|can't cd to [^\n]*/nix-build-"
+# when the builds go through a daemon whose own TMPDIR is like that. Up to
+# 2.30 a build's directory is `nix-build-<drv>-<n>`; 2.34 names it
+# `nix-<pid>-<n>`, in a build-dir the build users cannot pass through with
+# the sandbox off ("cannot create /d/nix-11-1014727337/f: Permission
+# denied"). 2.30 and later also refuse a build-dir under a directory others
+# can write: 'Path "/tmp" is world-writable or a symlink. That's not
+# allowed for security.' (2.34; 2.30: "Path '/x' or a parent directory is
+# world-writable or a symlink.").
+_BUILD_DIR = (
+    r"nix-build-[^\s'\"/]*\.drv-\d+[^\n]*(permission denied|can't cd)|can't cd to [^\n]*/nix-build-|"
+    r"/nix-\d+-\d+(/[^\s'\"]*)?[^\n]*permission denied|is world-writable or a symlink"
+)
 # A flake URL Nix cannot parse (source.from, flake, or an input the flake
 # declares): no retry parses it, so it must stop a persist loop. Checked
 # before the fetch fallback, which would call any error in a fetch transient.
@@ -211,9 +259,8 @@ NO_SPACE = Cause(
 BUILD_DIR_FULL = Cause(
     "build-dir-full",
     "nix.no-space",
-    "the disk Nix builds on is full (the build directory, under TMPDIR={build_dir}), not the "
-    "training source: see `df -h {build_dir}`, free space there or point TMPDIR at a larger disk (a build of "
-    "libtorch and a training binary needs gigabytes), then run again",
+    "the disk Nix builds on is full (the build directory, {where}), not the training source: {look}, free "
+    "space there or {move} (a build of libtorch and a training binary needs gigabytes), then run again",
 )
 BUILD_USERS = Cause(
     "build-users",
@@ -259,10 +306,12 @@ STORE_PERMISSION = Cause(
 BUILD_DIR = Cause(
     "build-dir",
     "nix.build-dir",
-    "this is the Nix installation, not the flake or the training source: Nix's build users cannot "
-    "enter the directory builds run in (the TMPDIR of whoever runs the builds: nix-daemon's, or this "
-    "process's for a single-user Nix). Make it enterable (`chmod 755`, or `chmod 1777` like /tmp), or "
-    "point TMPDIR at one that is",
+    "this is the Nix installation, not the flake or the training source: the directory builds run in (that "
+    "of whoever runs them: nix-daemon, or this process for a single-user Nix) is one Nix's build users cannot "
+    "enter, or one Nix refuses. Before Nix 2.30 it is the TMPDIR: make it enterable (`chmod 755`, or `chmod "
+    "1777` like /tmp), or point TMPDIR at one that is. From 2.30 it is build-dir (/nix/var/nix/builds unless "
+    "nix.conf sets one): set it to a directory every user can pass through (`chmod 755`) on a path no other "
+    "user can write (not under /tmp)",
 )
 DAEMON = Cause(
     "daemon",
@@ -342,6 +391,35 @@ def _in_build_logs(pattern: str) -> Match:
     return lambda said: bool(_pattern(pattern).search(said.build_logs))
 
 
+# A builder's last log lines as Nix quotes them in its error, each after a
+# "> " ("last 1 log lines:\n> head: error writing 'standard output': No
+# space left on device", 2.8 through a daemon, which sends no log records of
+# its own for them).
+_QUOTED = re.compile(r"^\s*>", re.MULTILINE)
+
+
+def _builder_said(pattern: str) -> Match:
+    """In what a builder wrote: its log records, or its lines that Nix's
+    error quotes."""
+
+    def said_by_builder(said: Said) -> bool:
+        quoted = "\n".join(line for line in said.errors.splitlines() if _QUOTED.match(line))
+        return bool(_pattern(pattern).search(said.build_logs) or _pattern(pattern).search(quoted))
+
+    return said_by_builder
+
+
+def _nix_said(pattern: str) -> Match:
+    """In Nix's own words: its error records, less the builder's lines they
+    quote."""
+
+    def said_by_nix(said: Said) -> bool:
+        own = "\n".join(line for line in said.errors.splitlines() if not _QUOTED.match(line))
+        return bool(_pattern(pattern).search(own))
+
+    return said_by_nix
+
+
 def _in_errors_or_other(pattern: str) -> Match:
     return lambda said: bool(_pattern(pattern).search(said.errors) or _pattern(pattern).search(said.other))
 
@@ -377,10 +455,10 @@ class Row:
 # is the builder's (transient).
 ROWS: tuple[Row, ...] = (
     Row(HASH_MISMATCH, _in_errors(_HASH_MISMATCH)),
-    Row(NO_SPACE, _in_errors(_NO_SPACE)),
-    # The builder's own disk (the build directory, under TMPDIR) filled up:
-    # its log says so, Nix's error only that it failed.
-    Row(BUILD_DIR_FULL, _in_build_logs(_NO_SPACE), frozenset({BUILD})),
+    Row(NO_SPACE, _nix_said(_NO_SPACE)),
+    # The builder's own disk (the build directory, under TMPDIR or Nix's
+    # build-dir) filled up: its log says so, Nix's error only that it failed.
+    Row(BUILD_DIR_FULL, _builder_said(_NO_SPACE), frozenset({BUILD})),
     Row(BUILD_USERS, _in_errors(_BUILD_USERS)),
     Row(DAEMON_REFUSED, _in_errors(_DAEMON_REFUSED)),
     # A publish's signing is always the key or the store's rules; its copy
@@ -451,7 +529,7 @@ def failure(
     fix: str | None = None,
     extra: str = "",
     unreachable: Reason = "nix.fetch",
-    build_dir: str = "/tmp",
+    build_dir: BuildDir = TMP,
 ) -> Fail:
     """An operator-facing Fail: what was being done, what Nix said, the fix.
 
@@ -474,7 +552,7 @@ def failure(
         message += f"\n{extra}"
     chosen = fix if fix and cause is EVALUATION_FAILED else cause.fix
     if cause is BUILD_DIR_FULL:
-        chosen = chosen.format(build_dir=build_dir)
+        chosen = chosen.format(**build_dir.words())
     message += f"\nFix: {chosen}"
     reason = unreachable if cause is FETCH_FAILED else cause.reason
     # Nix and git quote URLs as they found them, a flake's own inputs too.
@@ -495,7 +573,7 @@ def explain(
     fix: str | None = None,
     source_path: str | None = None,
     unreachable: Reason = "nix.fetch",
-    build_dir: str = "/tmp",
+    build_dir: BuildDir = TMP,
 ) -> Fail:
     """The Fail for a nix call that exited non-zero: the diagnosis, refined
     with what only the caller knows (which tree is the training source), and

@@ -45,7 +45,7 @@ from prepare.config.kinds import LIMITS
 from prepare.fail import Fail, Reason
 from prepare.host import human, proc, state
 from prepare.nix import caches
-from prepare.nix.diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, explain
+from prepare.nix.diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, BuildDir, explain
 from prepare.nix.log import Log, strip_ansi
 
 if TYPE_CHECKING:
@@ -68,6 +68,14 @@ FETCH_TIMEOUT_S = 1800.0
 # this margin lets it, and covers evaluation and out-link creation, before
 # the wrapper kills nix itself.
 BUILD_GRACE_S = 120.0
+
+# Nix 2.30 moved build-dir's default from TMPDIR to `builds` in its state
+# directory (/nix/var/nix/builds), out of reach of other users: a builder's
+# directory under a world-writable one had let builds escape the sandbox.
+BUILD_DIR_DEFAULT_FROM = (2, 30)
+NIX_STATE_DIR = "/nix/var/nix"
+SETTINGS_TIMEOUT_S = 60.0
+CONFIG_SHOW_FROM = (2, 20)
 
 _VERSION = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -160,9 +168,23 @@ class Nix:
         self.registry = os.path.join(state_dir, "flake-registry.json")
         self.substituters = tuple(substituters)
         self.trusted_public_keys = tuple(trusted_public_keys)
-        # The TMPDIR the box gave, where nix builds (under a directory of
-        # the attempt's own, prepare.build): what a full disk names.
-        self.build_dir: str | None = None
+        # Where a build's directory is made, as a full disk names it: the
+        # TMPDIR the box gave, or Nix's build-dir (under a directory of the
+        # attempt's own either way: prepare.build.workspace); None: this
+        # process's TMPDIR.
+        self.builds: BuildDir | None = None
+        # The attempt's own build directory, given to a Nix that has the
+        # build-dir setting (`--option build-dir`).
+        self.build_dir_option: str | None = None
+        # Given Nix's build-dir, makes a directory of the attempt's own
+        # under it and returns its path (None: none could be made), for
+        # `build_dir_option` (prepare.build.workspace).
+        self.own_build_dir: Callable[[str], str | None] | None = None
+        # Where the builds go is settled once, before the first call that
+        # may build (an evaluation can, through import-from-derivation): a
+        # warm attempt that neither evaluates nor builds never asks.
+        self._builds_settled = False
+        self.version: tuple[int, int, int] | None = None
 
     # -- flags -------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -170,7 +192,20 @@ class Nix:
         argv += ["--option", "flake-registry", self.registry]
         argv += ["--option", "accept-flake-config", "false"]
         argv += caches.options(self.substituters, self.trusted_public_keys)
+        if self.build_dir_option is not None:
+            argv += ["--option", "build-dir", self.build_dir_option]
         return argv
+
+    def _ready_to_build(self) -> None:
+        if self._builds_settled:
+            return
+        self._builds_settled = True
+        builds = self.where_builds()
+        if builds is None:
+            return
+        self.builds = builds
+        if builds.setting == "build-dir" and self.own_build_dir is not None:
+            self.build_dir_option = self.own_build_dir(builds.path)
 
     def _ensure_registry(self) -> None:
         # An empty registry: flake references must be full URLs; nothing is
@@ -231,6 +266,7 @@ class Nix:
             version = _version(resolved, self.env, os.path.join(self.state_dir, "nix-version.json"))
         except proc.ExecFailed as failed:
             raise self._not_started([resolved, "--version"], failed) from None
+        self.version = version
         if version[:2] < OLDEST:
             raise Fail(
                 "nix.too-old",
@@ -238,6 +274,86 @@ class Nix:
                 f"oldest fdl-prepare supports (flakes and `nix build --json`); {INSTALL}",
             )
         return version
+
+    # -- where builds run ----------------------------------------------------
+    def settings(self, names: Sequence[str]) -> dict[str, Any] | None:
+        """The values of the settings `names` that this Nix has, as it runs
+        (nix.conf, NIX_CONFIG, NIX_REMOTE, its command line); one it does
+        not have is left out. None when it could not say.
+
+        `nix config show` from 2.20 (2.34 warns that `show-config` is its
+        deprecated alias); 2.8 has only `show-config`, asked first where the
+        version says so (a process start saved). With --json both print
+        `{"<name>": {"value": ..., ...}}`."""
+        base = [self.program, "--extra-experimental-features", FEATURES]
+        commands = [["config", "show", "--json"], ["show-config", "--json"]]
+        if self.version is not None and self.version[:2] < CONFIG_SHOW_FROM:
+            commands.reverse()
+        for command in commands:
+            try:
+                done = proc.run([*base, *command], timeout=SETTINGS_TIMEOUT_S, env=self.env)
+            except (proc.ExecFailed, proc.TimedOut):
+                return None
+            if done.returncode == 0:
+                break
+        else:
+            return None
+        try:
+            data = _json(done)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        return {name: data[name].get("value") for name in names if isinstance(data.get(name), dict)}
+
+    def where_builds(self) -> BuildDir | None:
+        """Where this Nix makes a build's directory, when TMPDIR does not
+        decide it: under its build-dir ("build-dir": nix.conf's, or from
+        2.30 its default, `<state>/builds`) for a store it builds in
+        itself; the daemon ("daemon") for a store another process builds
+        for (the daemon, a remote store). None where TMPDIR decides (a Nix
+        without the setting, 2.8; one before 2.30 with none set), for a
+        local store of its own elsewhere (`store = /root`, `local?root=`),
+        or where Nix could not say: the attempt's TMPDIR covers those."""
+        said = self.settings(("build-dir", "store"))
+        if said is None:
+            return None
+        here = self._builds_here(said.get("store"))
+        if here is None:
+            return None
+        if not here:
+            return BuildDir("", "daemon")
+        if "build-dir" not in said:
+            return None
+        configured = said["build-dir"]
+        if isinstance(configured, str) and configured.startswith("/"):
+            return BuildDir(configured, "build-dir")
+        if (self.version or self.check_version())[:2] < BUILD_DIR_DEFAULT_FROM:
+            return None
+        return BuildDir(os.path.join(self._state_of_nix(), "builds"), "build-dir")
+
+    def _builds_here(self, store: object) -> bool | None:
+        """Whether the `store` setting names the local store this process
+        builds in (True), a store another process builds for (False), or
+        a local store of its own elsewhere (None). `auto` is local where
+        Nix's state directory is writable (as Nix itself decides), else
+        the daemon."""
+        if store in (None, "", "auto"):
+            return os.access(self._state_of_nix(), os.R_OK | os.W_OK)
+        if store in ("local", "local://"):
+            return True
+        # A local store with a root or a state of its own: 2.8 and 2.26 print
+        # `local?root=/r` and `/r` as given, 2.34 `local://?root=/r` and
+        # `local:///r`.
+        if not isinstance(store, str) or store.startswith(("local", "/")):
+            return None
+        return False
+
+    def _state_of_nix(self) -> str:
+        return self._environ().get("NIX_STATE_DIR") or NIX_STATE_DIR
+
+    def _environ(self) -> Mapping[str, str]:
+        return self.env if self.env is not None else os.environ
 
     # -- calls ---------------------------------------------------------------
     def eval_json(
@@ -250,6 +366,7 @@ class Nix:
         fix: str | None = None,
     ) -> Any:
         self._ensure_registry()
+        self._ready_to_build()
         argv = self._common() + ["eval", "--json", "--no-write-lock-file", "--no-eval-cache"]
         if apply is not None:
             argv += ["--apply", apply]
@@ -384,6 +501,7 @@ class Nix:
         build (transient: the next publish may fix it) from a failed build of
         something the flake itself provides (permanent: libtorch, a toolchain)."""
         self._ensure_registry()
+        self._ready_to_build()
         argv = self._common() + ["build", "--json", "--no-write-lock-file", "--no-eval-cache"]
         argv += ["--out-link", out_link] if out_link else ["--no-link"]
         if timeout_s is not None:
@@ -511,7 +629,7 @@ class Nix:
         if dropped is not None:
             raise dropped
         if not outcome.ok:
-            build_dir = self.build_dir or (self.env if self.env is not None else os.environ).get("TMPDIR") or "/tmp"
+            build_dir = self.builds or BuildDir(self._environ().get("TMPDIR") or "/tmp", "TMPDIR")
             raise explain(
                 phase, log, completed.returncode, doing, fix=fix, source_path=source_path, unreachable=unreachable,
                 build_dir=build_dir,
