@@ -40,9 +40,10 @@ its home and its environment.
 from __future__ import annotations
 
 import os
-import stat
 import sys
 from dataclasses import dataclass
+
+from prepare.host.trust import enterable_by_others
 
 # The user the smoke run runs as, when fdl-prepare is root.
 DEFAULT_USER = "nobody"
@@ -180,22 +181,6 @@ def _name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def _enterable(path: str) -> bool:
-    """Whether every directory on the way to `path` lets others search it."""
-    current = os.path.realpath(path)
-    while True:
-        try:
-            st = os.stat(current)
-        except OSError:
-            return False
-        if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IXOTH:
-            return False
-        parent = os.path.dirname(current)
-        if parent == current:
-            return True
-        current = parent
-
-
 def _make_home(uid: int | None, gid: int | None, environ: dict[str, str] | os._Environ[str]) -> str:
     """A directory of the run's own, 0700, under a temporary directory it
     can reach (root's TMPDIR may be /tmp/user/0, which it cannot)."""
@@ -205,7 +190,7 @@ def _make_home(uid: int | None, gid: int | None, environ: dict[str, str] | os._E
     from prepare.host import human
 
     candidates = [environ.get("TMPDIR") or "", "/tmp", "/var/tmp"]
-    usable = [c for c in candidates if c and (uid is None or _enterable(c))]
+    usable = [c for c in candidates if c and (uid is None or enterable_by_others(c))]
     for where in dict.fromkeys(usable):
         try:
             home = tempfile.mkdtemp(prefix="fdl-smoke-", dir=where)

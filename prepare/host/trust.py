@@ -156,3 +156,21 @@ def _file_doubt(path: str, st: os.stat_result, me: str) -> Doubt | None:
 def _whom(mode: int) -> str:
     both = mode & stat.S_IWGRP and mode & stat.S_IWOTH
     return "its group and others" if both else ("its group" if mode & stat.S_IWGRP else "others")
+
+
+def enterable_by_others(path: str) -> bool:
+    """Whether a user with no particular rights can reach into `path` (the
+    smoke run's user, Nix's build users): every directory on the way must
+    grant others search (x)."""
+    current = os.path.realpath(path)
+    while True:
+        try:
+            st = os.stat(current)
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IXOTH:
+            return False
+        parent = os.path.dirname(current)
+        if parent == current:
+            return True
+        current = parent

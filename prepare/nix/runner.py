@@ -36,7 +36,6 @@ import contextlib
 import json
 import os
 import re
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from prepare.config.kinds import LIMITS
 from prepare.fail import Fail, Reason
 from prepare.host import human, proc, state
+from prepare.host.trust import enterable_by_others
 from prepare.nix import caches
 from prepare.nix.diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, BuildDir, explain
 from prepare.nix.log import Log, strip_ansi
@@ -737,23 +737,6 @@ def _remember_version(cache_file: str, key: _VersionKey, version: tuple[int, int
         state.write_file(cache_file, data, "state directory")
 
 
-def _enterable_by_others(path: str) -> bool:
-    """Whether a user with no particular rights can reach into `path`:
-    every directory on the way must grant others search (x)."""
-    current = os.path.realpath(path)
-    while True:
-        try:
-            st = os.stat(current)
-        except OSError:
-            return False
-        if not stat.S_ISDIR(st.st_mode) or not st.st_mode & stat.S_IXOTH:
-            return False
-        parent = os.path.dirname(current)
-        if parent == current:
-            return True
-        current = parent
-
-
 def build_tmpdir(env: Mapping[str, str]) -> str | None:
     """A TMPDIR for nix children in which Nix's build users can build, or
     None to leave TMPDIR as it is.
@@ -768,10 +751,10 @@ def build_tmpdir(env: Mapping[str, str]) -> str | None:
     if os.geteuid() != 0:
         return None
     current = env.get("TMPDIR") or "/tmp"
-    if _enterable_by_others(current):
+    if enterable_by_others(current):
         return None
     for candidate in ("/tmp", "/var/tmp"):
-        if _enterable_by_others(candidate):
+        if enterable_by_others(candidate):
             return candidate
     raise Fail(
         "nix.build-dir",
