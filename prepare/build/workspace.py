@@ -110,23 +110,10 @@ def open(
     # The same proof as the node-local directories: it holds the GC roots
     # of built outputs, so it must take a write before a build is spent.
     dirs.prove_writable(os.path.join(where, "gcroots"), "the state directory's gcroots", plan.state_origin, var=var)
-    base_env = os.environ if env is None else env
-    tmpdir = runner.build_tmpdir(base_env)
+    tmpdir = _build_tmpdir(env, notes, "nix builds")
     if tmpdir is not None:
-        notes.append(
-            f"TMPDIR {base_env.get('TMPDIR', '/tmp')!r} cannot be entered by Nix's build users (a single-user Nix "
-            f"as root builds there as them): nix builds under {tmpdir} instead"
-        )
-        env = {**base_env, "TMPDIR": tmpdir}
-    nix = runner.Nix(
-        where,
-        program=nix_program,
-        env=env,
-        on_event=progress,
-        substituters=plan.nix.substituters,
-        trusted_public_keys=plan.nix.trusted_public_keys,
-    )
-    nix.check_version()
+        env = {**(os.environ if env is None else env), "TMPDIR": tmpdir}
+    nix = _nix(plan, where, nix_program, env, progress)
     step = Phases(progress)
     # The wait for the lock may start the display (it says whom it waits for).
     held.callback(step.end)
@@ -162,27 +149,42 @@ def inspect(
         if os.path.isdir(gcroots):
             dirs.probe(gcroots, "the state directory's gcroots", plan.state_origin, var=var)
         _note_holder(os.path.join(where, "lock"), lock_wait_s(plan.build_timeout_s), notes)
+    _build_tmpdir(env, notes, "an attempt's nix would build")
+    scratch = tempfile.mkdtemp(prefix="fdl-prepare-check.")
+    held.callback(shutil.rmtree, scratch, ignore_errors=True)
+    nix = _nix(plan, scratch, nix_program, env, progress)
+    step = Phases(progress)
+    held.callback(step.end)
+    return Workspace(state=where, nix=nix, step=step, system=runner.system(), scratch=scratch), exists
+
+
+def _build_tmpdir(env: Mapping[str, str] | None, notes: list[str], who: str) -> str | None:
+    """Where Nix's build users can build when TMPDIR is out of their reach
+    (said in a note), else None."""
     base_env = os.environ if env is None else env
     tmpdir = runner.build_tmpdir(base_env)
     if tmpdir is not None:
         notes.append(
             f"TMPDIR {base_env.get('TMPDIR', '/tmp')!r} cannot be entered by Nix's build users (a single-user Nix "
-            f"as root builds there as them): an attempt's nix would build under {tmpdir} instead"
+            f"as root builds there as them): {who} under {tmpdir} instead"
         )
-    scratch = tempfile.mkdtemp(prefix="fdl-prepare-check.")
-    held.callback(shutil.rmtree, scratch, ignore_errors=True)
+    return tmpdir
+
+
+def _nix(
+    plan: BuildPlan, state_dir: str, program: str, env: Mapping[str, str] | None, progress: Progress | None
+) -> runner.Nix:
+    """The Nix the build steps call, its version checked."""
     nix = runner.Nix(
-        scratch,
-        program=nix_program,
+        state_dir,
+        program=program,
         env=env,
         on_event=progress,
         substituters=plan.nix.substituters,
         trusted_public_keys=plan.nix.trusted_public_keys,
     )
     nix.check_version()
-    step = Phases(progress)
-    held.callback(step.end)
-    return Workspace(state=where, nix=nix, step=step, system=runner.system(), scratch=scratch), exists
+    return nix
 
 
 def _note_holder(path: str, wait_s: float, notes: list[str]) -> None:

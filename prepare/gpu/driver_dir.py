@@ -288,11 +288,9 @@ def _link(directory: str, libraries: Sequence[Library], kernel: str, notes: list
         )
 
 
-def _preview(directory: str, libraries: Sequence[Library], notes: list[str]) -> None:
-    """What `_link` would do to `directory`, said in a note, after the same
-    judgement of every directory on the way; nothing is made or linked. The
-    directory (or, while it is missing, the nearest one on its way) must
-    take a probe link, made and removed at once."""
+def _not_the_hosts(directory: str, libraries: Sequence[Library]) -> str:
+    """`directory`, normalised, refused when it is where the host's own
+    libraries are: its links are the system's, never fdl-prepare's."""
     path = os.path.normpath(directory)
     hosts = {os.path.dirname(lib.path) for lib in libraries} | {
         os.path.dirname(os.path.realpath(lib.path)) for lib in libraries
@@ -303,6 +301,15 @@ def _preview(directory: str, libraries: Sequence[Library], notes: list[str]) -> 
             "is where the host's own libraries are (the linker cache lists its NVIDIA libraries there)",
             f"leave driver_dir out for {DRIVER_DIR}, or point it at a directory that holds nothing but these links",
         )
+    return path
+
+
+def _preview(directory: str, libraries: Sequence[Library], notes: list[str]) -> None:
+    """What `_link` would do to `directory`, said in a note, after the same
+    judgement of every directory on the way; nothing is made or linked. The
+    directory (or, while it is missing, the nearest one on its way) must
+    take a probe link, made and removed at once."""
+    path = _not_the_hosts(directory, libraries)
     current, missing = "/", ""
     parts = [p for p in path.split("/") if p]
     for index, part in enumerate(parts):
@@ -417,16 +424,7 @@ def _open_directory(directory: str, libraries: Sequence[Library]) -> int:
     itself owned by this user (root, as the units run it) and writable by
     nobody else. A directory the linker cache lists libraries in (a shared
     library directory) is never one: its links are the system's."""
-    path = os.path.normpath(directory)
-    hosts = {os.path.dirname(lib.path) for lib in libraries} | {
-        os.path.dirname(os.path.realpath(lib.path)) for lib in libraries
-    }
-    if path in hosts:
-        raise _refused(
-            directory,
-            "is where the host's own libraries are (the linker cache lists its NVIDIA libraries there)",
-            f"leave driver_dir out for {DRIVER_DIR}, or point it at a directory that holds nothing but these links",
-        )
+    path = _not_the_hosts(directory, libraries)
     fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     current = "/"
     parts = [p for p in path.split("/") if p]
