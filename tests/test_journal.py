@@ -316,6 +316,20 @@ def test_a_failure_is_the_last_status_line_with_its_reason(box, notify_socket) -
     assert all("\n" not in line and len(line) <= len("STATUS=") + journal.STATUS_CHARS for line in said)
 
 
+def test_a_health_check_that_finds_the_box_not_ready_says_so_on_the_status_line_under_json_too(  # type: ignore[no-untyped-def]
+    box, notify_socket
+) -> None:
+    address, sock = notify_socket
+
+    done = subprocess.run(
+        [console_script(), "gpus", "--json"], env={**box, "NOTIFY_SOCKET": address}, capture_output=True, timeout=60
+    )
+
+    said = received(sock)
+    assert done.returncode == 78 and json.loads(done.stdout)["ready"] is False
+    assert said and said[-1].startswith("STATUS=permanent failure [gpu.no-driver]: "), said
+
+
 def test_an_abstract_notify_socket_is_reached_too(box) -> None:  # type: ignore[no-untyped-def]
     name = f"fdl-prepare-test-{os.getpid()}-{id(box)}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:

@@ -241,6 +241,10 @@ class Report:
         stopped = shown.stopped(result) if shown.stopped is not None else None
         if stopped is None:
             self.status(shown.kind, f"done in {seconds:.2f}s")
+        elif self.as_json:
+            # The human path says it through `fail`; the unit's status line
+            # must not depend on how stdout is read.
+            self._failure_status(stopped)
         if self.as_json:
             out = {"kind": shown.kind, "schema": SCHEMA, **result.to_json()}
             if shown.notes_in_json:
@@ -258,7 +262,7 @@ class Report:
     def fail(self, fail: Fail) -> int:
         code = EXIT_PERMANENT if fail.permanent else EXIT_TRANSIENT
         message = redact(fail.message)
-        self.status(f"{fail.kind} failure [{fail.reason}]", message)
+        self._failure_status(fail)
         if self.as_json:
             out = {**fail.to_json(), "schema": SCHEMA, "message": message, "notes": self._notes()}
             print(json.dumps(out, sort_keys=True))
@@ -275,6 +279,9 @@ class Report:
             FAILURE,
         )
         return code
+
+    def _failure_status(self, fail: Fail) -> None:
+        self.status(f"{fail.kind} failure [{fail.reason}]", redact(fail.message))
 
     def interrupted(self) -> int:
         """SIGINT, or SIGTERM from systemd stopping the unit: the seam in
