@@ -132,7 +132,7 @@ def _data(a: Attempt) -> Attempt:
 def _dirs(a: Attempt) -> Attempt:
     from prepare.host import dirs
 
-    return replace(a, dirs=dirs.check(a.notes))
+    return replace(a, dirs=dirs.check(a.notes, user=a.plan.user))
 
 
 def _state(a: Attempt) -> Attempt:
@@ -210,7 +210,7 @@ def _data_check(a: Attempt) -> tuple[Attempt, StepCheck]:
 def _dirs_check(a: Attempt) -> tuple[Attempt, StepCheck]:
     from prepare.host import dirs
 
-    found = dirs.check(a.notes, change=False)
+    found = dirs.check(a.notes, change=False, user=a.plan.user)
     said = f"dataset cache {found.cache}, stage {found.stage}"
     if found.missing:
         return replace(a, dirs=found), StepCheck("would create", f"{', '.join(found.missing)} (writable); {said}")

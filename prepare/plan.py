@@ -32,6 +32,7 @@ from prepare.config.fields import TABLE, Table
 from prepare.config.resolve import checked, from_environment
 from prepare.data.root import DataPlan
 from prepare.gpu.gate import GatePlan
+from prepare.host.training_user import TrainingUser, training_user
 from prepare.smoke import SmokePlan
 from prepare.spec import DATA_MOUNTPOINT, PrepareSpec
 
@@ -46,6 +47,9 @@ class Plan:
     data: DataPlan
     build: BuildPlan | None
     smoke: SmokePlan
+    # The training user (`user`): step 3 proves its directories, and the
+    # smoke run runs as it; None: fdl-prepare's own user's.
+    user: TrainingUser | None = None
 
 
 def plan(spec: PrepareSpec, env: Mapping[str, str] | None = None, *, table: Table = TABLE) -> Plan:
@@ -55,11 +59,15 @@ def plan(spec: PrepareSpec, env: Mapping[str, str] | None = None, *, table: Tabl
     (default: this process's environment)."""
     env = os.environ if env is None else env
     spec = checked(spec, table=table)
+    user = training_user(spec)
     return Plan(
         gate=gate_plan(spec),
         data=_data(spec),
         build=_build(spec, env) if spec.wants_build else None,
-        smoke=SmokePlan(timeout_s=spec.smoke_timeout_s, user=spec.smoke_user),
+        # The training user, when set, is whom the binary will run as: the
+        # smoke run proves it as that user, not as smoke_user.
+        smoke=SmokePlan(timeout_s=spec.smoke_timeout_s, user=user.name if user else spec.smoke_user),
+        user=user,
     )
 
 

@@ -133,6 +133,11 @@ class PrepareSpec:
     # Who the smoke run runs as when fdl-prepare is root (prepare.host.confine):
     # never root, the training source's code is not the operator's.
     smoke_user: str = "nobody"
+    # The training user: whom floDl's data plane runs as (`fdl join` and its
+    # ranks). Set, step 3 proves that user's dataset cache and stage, and the
+    # smoke run runs as it (prepare.host.training_user); None: fdl-prepare's
+    # own user, as before.
+    user: str | None = None
     # Ignore what earlier attempts settled (<state>/warm.json): evaluate the
     # flake and build as on a first attempt, then record afresh.
     refresh: bool = False

@@ -33,7 +33,14 @@ from prepare.config.kinds import (
     DATA_PATH,
     DEVICES,
     DRIVER_PATH,
+    FLODL_ARGS,
+    FLODL_CONTROLLER,
+    FLODL_HOST,
+    FLODL_PATH,
+    FLODL_SHARE,
+    FLODL_TOKEN,
     IDENTITY,
+    LIBTORCH,
     LIST_SECONDS,
     PORT,
     PUBLIC_KEYS,
@@ -46,6 +53,7 @@ from prepare.config.kinds import (
     STRING,
     STRINGS,
     URL,
+    USER,
     Kind,
     show,
 )
@@ -134,10 +142,11 @@ FIELDS: tuple[Field, ...] = (
         key="libtorch",
         flag="--libtorch",
         spec="libtorch",
-        kind=STRING,
+        kind=LIBTORCH,
         metavar="VARIANT",
         nix="nullOr str",
-        help="libtorch variant: auto, cpu, cu128, ... (whatever the flake provides).",
+        help="libtorch variant: auto, cpu, cu126, cu128, rocm7.0, ... (whatever the flake provides); floDl's "
+        "spellings 12.6, 12.8, rocm70, 7.0, rocm71 and 7.1 name the same builds.",
     ),
     Field(
         key="devices",
@@ -146,7 +155,9 @@ FIELDS: tuple[Field, ...] = (
         kind=DEVICES,
         metavar="LIST",
         nix="nullOr (listOf ints.unsigned)",
-        help="GPU indices this box offers, e.g. 0,1, in the vendor's own numbering (NVML's, or ROCm's), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).",
+        help="GPU indices this box offers, e.g. 0,1, or all (every one, as leaving it out), numbered as the run's "
+        "runtime numbers them after its masks, as floDl's devices are: CUDA's ordinals (the cards "
+        "CUDA_VISIBLE_DEVICES leaves, in its order), ROCm's for AMD cards.",
     ),
     Field(
         key="expect_gpus",
@@ -237,6 +248,18 @@ FIELDS: tuple[Field, ...] = (
         nix="nullOr str",
         help="The unprivileged user the smoke run runs as when fdl-prepare is root (never root itself); it gets "
         "only the render and video groups for the GPUs, no capabilities and a clean environment. Default: nobody.",
+    ),
+    Field(
+        key="user",
+        flag="--user",
+        spec="user",
+        kind=USER,
+        metavar="USER",
+        nix="nullOr str",
+        help="The training user: the account floDl's data plane (fdl join and its ranks) runs as. Step 3 then "
+        "proves that user's dataset cache (~/.flodl/data, its home from the password database, created owned by "
+        "it) and the stage writable by that user, and the smoke run runs as it instead of smoke_user. Never root "
+        "or a Nix build user. Unset: the directories of the user fdl-prepare runs as.",
     ),
     Field(
         key="refresh",
@@ -388,6 +411,56 @@ class Table:
 
 
 TABLE = Table(FIELDS)
+
+
+# -- floDl's keys --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """A key of floDl's `join:` block (flodl-cli's WorkerJoin) that only
+    `fdl join` acts on: one config serves both tools, so fdl-prepare takes
+    it, checks its type as floDl would, and leaves it to `fdl join`."""
+
+    key: str
+    kind: Kind
+    # What it is to `fdl join`, for the note that says it is left alone.
+    meaning: str
+
+
+FOREIGN: tuple[Foreign, ...] = (
+    Foreign("controller", FLODL_CONTROLLER, "the controller it dials"),
+    Foreign("token", FLODL_TOKEN, "its admission token"),
+    Foreign("bin", FLODL_PATH, "a training binary run as given"),
+    Foreign("host", FLODL_HOST, "the host name in its join hello"),
+    Foreign("persist", BOOLEAN, "its re-dial loop"),
+    Foreign("args", FLODL_ARGS, "the training binary's arguments"),
+    Foreign("gpu_ram_share", FLODL_SHARE, "an integrated GPU's share of RAM"),
+    Foreign("sig_probe", BOOLEAN, "its model-signature probe"),
+)
+FOREIGN_BY_KEY = {f.key: f for f in FOREIGN}
+
+# The keys of ours that floDl's `join:` block has too, with the same name
+# and nesting; every other key of ours is fdl-prepare's alone, and `fdl
+# join` refuses a block that holds one (its WorkerJoin denies unknown
+# fields), so an fdl.yml may not carry it (prepare.config.file).
+SHARED_WITH_FLODL = frozenset(
+    {
+        "data_path",
+        "data_source",
+        "libtorch",
+        "devices",
+        "source.from",
+        "source.cwd",
+        "source.build",
+        "source.bin",
+        "ssh.target",
+        "ssh.port",
+        "ssh.user",
+        "ssh.identity_file",
+        "ssh.options",
+    }
+)
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:

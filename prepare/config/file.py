@@ -1,8 +1,17 @@
-"""The TOML config file: found, read safely, parsed, and its [join] table
+"""The config file: found, read safely, parsed, and its [join] table
 checked against the field table, every problem with its line.
 
     path = find_path(flag, os.environ)   # --config, $FDL_PREPARE_CONFIG, /etc/fdl/prepare.toml
     table = load(path) if path else {}   # the [join] table, checked
+
+Two formats, told apart by the name: TOML (`[join]`), and floDl's own
+fdl.yml (a `.yml` or `.yaml` file; its `join:` block, with floDl's key
+names and nesting, the rest of the file ignored), so one file can serve
+`fdl join` and fdl-prepare. Both go through the same checks and messages.
+floDl's keys that only `fdl join` acts on (`controller`, `token`, ...) are
+checked, taken out and named in one note; in an fdl.yml, a key that is
+fdl-prepare's alone is refused, since `fdl join` refuses a block that
+holds a key it does not know.
 
 A bad config is a permanent Fail: a persist loop retrying it would hot-loop
 on a typo. Every message names the full key (`join.ssh.port`), its line,
@@ -29,9 +38,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prepare.config.fields import TABLE, Table
+from prepare.config.fields import SHARED_WITH_FLODL, TABLE, Table
 from prepare.config.kinds import show
-from prepare.config.schema import Checked, Namer, at, problems_message, validate
+from prepare.config.schema import Checked, Namer, at, foreign_note, problems_message, split_foreign, validate
 from prepare.fail import Fail
 from prepare.host import human
 
@@ -75,13 +84,26 @@ def find_path(flag: str | None, env: Mapping[str, str], *, default: Path = DEFAU
     return None
 
 
-def load(path: Path | str, *, table: Table = TABLE) -> Checked:
+YAML_SUFFIXES = (".yml", ".yaml")
+# An fdl.yml's join block is a dozen keys; a document of more nodes than
+# this, or nested deeper, is not one anyone wrote by hand.
+MAX_YAML_NODES = 20_000
+MAX_YAML_DEPTH = 64
+
+
+def is_yaml(path: Path | str) -> bool:
+    return Path(path).suffix.lower() in YAML_SUFFIXES
+
+
+def load(path: Path | str, *, table: Table = TABLE, notes: list[str] | None = None) -> Checked:
     """Read, parse and validate `path`; return its [join] table as plain
     nested dicts ({} when the file has no [join]). Raises a permanent Fail
     for an unreadable file, bytes that are not UTF-8, a TOML syntax error
     (with line and column), and any key or value [join] does not take:
     each value of the file is checked here, where it enters, with its line,
-    and `resolve` takes the table as it is."""
+    and `resolve` takes the table as it is. A `.yml`/`.yaml` file is read as
+    floDl's fdl.yml. floDl's keys that only `fdl join` acts on are named in
+    one note, appended to `notes`."""
     if sys.version_info >= (3, 11):
         import tomllib
     else:
@@ -102,6 +124,13 @@ def load(path: Path | str, *, table: Table = TABLE) -> Checked:
             f"must be UTF-8: re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8 {path} > {path}.utf8 "
             f"&& mv {path}.utf8 {path})",
         ) from None
+    if is_yaml(path):
+        from prepare.config import yaml_file
+
+        join, namer = yaml_file.join_block(path, text)
+        if join is None:
+            return Checked()
+        return _checked(path, join, namer, table, notes, yaml=True)
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -109,7 +138,7 @@ def load(path: Path | str, *, table: Table = TABLE) -> Checked:
     except RecursionError:
         raise Fail("config.invalid", _too_deep(path)) from None
     try:
-        return _join_table(path, text, doc, table)
+        return _join_table(path, text, doc, table, notes)
     except RecursionError:
         # Parsed, but nested deeper than the checks below (and the messages
         # that quote values) can walk.
@@ -210,7 +239,7 @@ def _file_type(mode: int) -> str:
     return "not a regular file"
 
 
-def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> Checked:
+def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table, notes: list[str] | None) -> Checked:
     if "join" not in doc:
         typo = next((k for k in doc if _looks_like_join(k)), None)
         if typo is not None:
@@ -227,10 +256,65 @@ def _join_table(path: Path, text: str, doc: dict[str, Any], table: Table) -> Che
             "config.invalid",
             f"config {path}{at(_line_of(text, ('join',)))}: join must be a table written [join], got {shown}",
         )
-    problems = validate(join, _file_namer(text), table)
+    return _checked(path, join, _file_namer(text), table, notes)
+
+
+def _checked(
+    path: Path, join: Mapping[str, Any], namer: Namer, table: Table, notes: list[str] | None, *, yaml: bool = False
+) -> Checked:
+    problems: list[str] = []
+    if yaml:
+        # Reported with the rest, and kept from the checks below, which
+        # would only say the same key is fine.
+        join, problems = _without_ours_alone(join, namer, table)
+    problems += validate(join, namer, table)
     if problems:
         raise Fail("config.invalid", problems_message(f"config {path}", problems))
-    return Checked(_plain(join))
+    kept, foreign = split_foreign(join)
+    checked = Checked(_plain(kept))
+    checked.foreign = foreign
+    if foreign and notes is not None:
+        notes.append(foreign_note(f"config {path}", foreign))
+    return checked
+
+
+_SHARED_TABLES = frozenset(k.partition(".")[0] for k in SHARED_WITH_FLODL if "." in k)
+
+
+def _without_ours_alone(join: Mapping[str, Any], namer: Namer, table: Table) -> tuple[dict[str, Any], list[str]]:
+    """An fdl.yml's join block without the keys that are fdl-prepare's
+    alone, and a problem for each: `fdl join` denies a field it does not
+    know, so a file holding one would stop it."""
+    kept: dict[str, Any] = {}
+    found: list[str] = []
+    for key, value in join.items():
+        if key in table.subtables and isinstance(value, Mapping):
+            if key not in _SHARED_TABLES:
+                found.append(key)
+                continue
+            inner = {
+                k: v for k, v in value.items() if f"{key}.{k}" in SHARED_WITH_FLODL or f"{key}.{k}" not in table.by_key
+            }
+            found += [f"{key}.{k}" for k in value if k not in inner]
+            kept[key] = inner
+        elif key in table.by_key and key not in SHARED_WITH_FLODL:
+            found.append(key)
+        else:
+            kept[key] = value
+    problems: list[tuple[int, str]] = []
+    for dotted in found:
+        full, line = namer(dotted)
+        f = table.by_key.get(dotted)
+        how = f"give it as a flag ({f.flag})" if f is not None else "give its values as flags"
+        problems.append(
+            (
+                line or 0,
+                f"{full}{at(line)} is fdl-prepare's alone, and `fdl join` refuses a join block holding a key it "
+                f"does not know, so this fdl.yml would stop it: {how}, or keep fdl-prepare's own keys in a TOML "
+                "config ([join] in /etc/fdl/prepare.toml)",
+            )
+        )
+    return kept, [text for _, text in sorted(problems, key=lambda p: p[0])]
 
 
 def _looks_like_join(key: str) -> bool:

@@ -86,6 +86,9 @@ def _is_int(value: Any) -> bool:
 # none of those can hold a NUL (the kernel's strings end at it).
 _NUL = "contains a NUL character (\\u0000), which no path, URL or command line can hold: remove it"
 
+# floDl keeps a device index in a u8.
+MAX_DEVICE = 255
+
 # The longest values taken, well under what the kernel takes on a command
 # line (MAX_ARG_STRLEN, 128 KiB an argument; ARG_MAX, at least 128 KiB for
 # all of them and the environment): a value past these is refused by name
@@ -212,7 +215,18 @@ def _ssh_user(value: Any) -> str | None:
     return problem.replace("host name", "user name") if problem else None
 
 
+# floDl's word for "every device this box has" (`fdl join --devices all`):
+# the same as leaving devices out.
+DEVICES_ALL = "all"
+
+
+def _is_all(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == DEVICES_ALL
+
+
 def _devices(value: Any) -> str | None:
+    if _is_all(value):
+        return None
     if not isinstance(value, (list, tuple)):
         return f"expected an array of device indices such as [0, 1], got {kind_of(value)}"
     if not value:
@@ -228,6 +242,9 @@ def _devices(value: Any) -> str | None:
             return f"expected device indices (integers from 0), but {_show_short(item)} is {kind_of(item)}"
         if item < 0:
             return f"expected device indices from 0 up, got {item}"
+        if item > MAX_DEVICE:
+            # floDl holds a device index in a byte: a larger one is refused by `fdl join`.
+            return f"device {item} is past {MAX_DEVICE}, the largest device index floDl takes"
         if item in seen:
             return f"device {item} is listed twice"
         seen.add(item)
@@ -398,16 +415,19 @@ def _show_keys(value: Any) -> str:
     return show(value)
 
 
-def parse_devices(text: str, field: str = "--devices") -> list[int]:
-    """`0,1` -> [0, 1], for a flag or an environment variable. Bad input is a
-    permanent Fail naming `field`."""
+def parse_devices(text: str, field: str = "--devices") -> list[int] | str:
+    """`0,1` -> [0, 1], and `all` (floDl's `--devices all`) as itself, for a
+    flag or an environment variable. Bad input is a permanent Fail naming
+    `field`."""
+    if _is_all(text):
+        return DEVICES_ALL
     parts = [p.strip() for p in text.split(",")]
     # isascii: str.isdigit() also admits digits such as '²' that int() refuses.
     if not text.strip() or any(not (p.isascii() and p.isdigit()) for p in parts):
         raise Fail(
             "config.invalid",
             f"{field} {show(text)}: expected comma-separated device indices such as {field} 0,1 "
-            f"(omit it to offer every visible device)",
+            f"(or {field} all, or omit it, to offer every visible device)",
         )
     return [int(p) for p in parts]
 
@@ -477,8 +497,47 @@ def _smoke_user(value: Any) -> str | None:
 
 
 SMOKE_USER = Kind("user", _smoke_user, str)
+# The training user (`user`): a name the password database is asked for
+# when the plan is made (prepare.host.training_user).
+USER = Kind("user", _smoke_user, str, to_spec=_stripped)
+
+# floDl's spellings of a libtorch variant (`fdl join --libtorch 12.8`,
+# `fdl libtorch download`'s flags as one token) and the label the flake
+# gives the same build: one value means one build under both tools.
+LIBTORCH_ALIASES = {
+    "12.6": "cu126",
+    "12.8": "cu128",
+    "rocm70": "rocm7.0",
+    "7.0": "rocm7.0",
+    "rocm71": "rocm7.1",
+    "7.1": "rocm7.1",
+}
+
+
+def libtorch_label(value: Any) -> Any:
+    """A libtorch value in the flake's words: floDl's aliases mapped, spaces
+    dropped (floDl trims them too); anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    return LIBTORCH_ALIASES.get(text, text)
+
+
+LIBTORCH = Kind("libtorch variant", _string, str, to_spec=libtorch_label, show=lambda v: _show_short(v))
+
+
+def _devices_to_spec(value: Any) -> tuple[int, ...] | None:
+    return None if _is_all(value) else tuple(value)
+
+
 DEVICES = Kind(
-    "devices", _devices, str, example="[0, 1]", read_flag=parse_devices, to_spec=tuple, show=lambda v: _show_short(v)
+    "devices",
+    _devices,
+    str,
+    example="[0, 1]",
+    read_flag=parse_devices,
+    to_spec=_devices_to_spec,
+    show=lambda v: _show_short(v),
 )
 STRINGS = Kind(
     "strings", _strings, list, example='["ServerAliveInterval=15"]', to_spec=tuple, show=lambda v: _show_short(v)
@@ -514,3 +573,31 @@ PUBLIC_KEYS = Kind(
     to_spec=_stripped_all,
     show=_show_keys,
 )
+
+
+# -- floDl's own keys ---------------------------------------------------------------------------
+# Checked as `fdl join` reads them (flodl-cli's WorkerJoin), so a value it
+# would refuse is refused here first, with the key and its line.
+
+
+def _share(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"expected a fraction of the box's memory such as 0.5, got {kind_of(value)}"
+    if not math.isfinite(value) or value < 0:
+        return f"expected a non-negative fraction of the box's memory such as 0.5, got {value!r}"
+    return None
+
+
+def _flodl_args(value: Any) -> str | None:
+    if isinstance(value, (list, tuple)) and not value:
+        return None
+    return _strings(value, '["--epochs", "10"]')
+
+
+FLODL_CONTROLLER = Kind("controller address", _ssh_target, str)
+# A session credential: never quoted, whatever is wrong with it.
+FLODL_TOKEN = Kind("token", _string, str, show=lambda v: "<token, not shown>")
+FLODL_PATH = Kind("path", _string, str, show=lambda v: _show_short(v))
+FLODL_HOST = Kind("host name", _ssh_target, str)
+FLODL_ARGS = Kind("arguments", _flodl_args, list, example='["--epochs", "10"]', show=lambda v: _show_short(v))
+FLODL_SHARE = Kind("fraction", _share, float, example="0.5")

@@ -11,14 +11,17 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prepare.config.fields import Table
+from prepare.config.fields import FOREIGN_BY_KEY, Table
 from prepare.config.kinds import BOOLEAN, BUILD_SECONDS, DEVICES, LIST_SECONDS, PORT, SECONDS, Kind, kind_of, show
 
 
 class Checked(dict[str, Any]):
     """A [join] table whose every key and value was checked where it entered
     (the file, by `load`, each problem with its line): `resolve` takes it as
-    it is, and no value of it is checked twice."""
+    it is, and no value of it is checked twice. floDl's own keys (`foreign`,
+    their full names) were checked and taken out: they are `fdl join`'s."""
+
+    foreign: tuple[str, ...] = ()
 
 
 # (full key, line or None) for a dotted key below join.
@@ -50,6 +53,12 @@ def validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool 
                 continue
             full, line = name(dotted)
             f = schema.get(key)
+            foreign = None if flags else FOREIGN_BY_KEY.get(dotted)
+            if f is None and foreign is not None:
+                problem = foreign.kind.check(value)
+                if problem:
+                    problem_at(line, f"{full}{at(line)} = {foreign.kind.show(value)}: {problem}")
+                continue
             if f is None:
                 if flags:
                     # A caller bug, not an operator's typo: no flag has this name.
@@ -63,7 +72,28 @@ def validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool 
                 problem_at(
                     line, f"{full}{at(line)} = {f.kind.show(value)}: {problem}{_hint(f.kind, key, value, flags)}"
                 )
+    if not flags and "bin" in join and isinstance(join.get("source"), Mapping):
+        full, line = name("bin")
+        problem_at(
+            line,
+            f"{full}{at(line)} and [join.source] both name this box's training binary, which `fdl join` refuses: "
+            "keep join.source to have it fetched and built here, or join.bin to run a binary as given (fdl-prepare "
+            "then builds nothing)",
+        )
     return [text for _, text in sorted(found, key=lambda item: item[0])]
+
+
+def split_foreign(join: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The [join] table without floDl's own keys, and their full names."""
+    kept = {k: v for k, v in join.items() if k not in FOREIGN_BY_KEY}
+    return kept, tuple(f"join.{k}" for k in join if k in FOREIGN_BY_KEY)
+
+
+def foreign_note(where: str, names: tuple[str, ...]) -> str:
+    """The one note that says which of floDl's keys a config holds, and
+    that they are left to `fdl join`."""
+    said = ", ".join(f"{n} ({FOREIGN_BY_KEY[n.partition('.')[2]].meaning})" for n in names)
+    return f"{where}: {said}: `fdl join`'s, left to it; fdl-prepare does not act on them"
 
 
 def _hint(kind: Kind, key: str, value: Any, flags: bool) -> str:

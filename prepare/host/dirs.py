@@ -14,8 +14,15 @@ filesystems with delayed allocation, where a full disk only shows at flush.
 Every failure here is permanent: no retry makes a read-only mount writable
 or frees a disk, so a persist loop must stop and say what to change.
 
-No subprocesses: `df` and `stat -f` hang on a dead network mount, and the
+No `df` or `stat -f`: they hang on a dead network mount, and the
 filesystem type and free space are one read of /proc and one statvfs away.
+
+With a training user (`user`, prepare.host.training_user) the directories
+are that user's: the cache under its home from the password database, and
+both are created and probed by a child that has become that user before it
+touches them (`_as_user`). Root never walks a path the user can change, so
+a symlink the user planted in its own home leads root nowhere, and the cache
+is the user's because the user made it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass
 
 from prepare.fail import Fail
 from prepare.host import human, mounts
+from prepare.host.training_user import TrainingUser
 from prepare.notes import warning
 
 # Below this the cache or stage is likely to fill during a run: worth a note,
@@ -59,7 +67,7 @@ class LocalDirs:
     missing: tuple[str, ...] = ()
 
 
-def check(notes: list[str], *, change: bool = True) -> LocalDirs:
+def check(notes: list[str], *, change: bool = True, user: TrainingUser | None = None) -> LocalDirs:
     """Create the dataset cache, find the stage, prove both writable.
 
     Raises a permanent `Fail` naming the directory, the error, the variable
@@ -68,7 +76,11 @@ def check(notes: list[str], *, change: bool = True) -> LocalDirs:
 
     `change` False (`fdl-prepare check`): nothing is created. A missing
     cache is judged by the directory it would be created in, which must
-    take the probe (written and removed, as every probe is)."""
+    take the probe (written and removed, as every probe is).
+
+    `user`: the training user's directories, proven as that user."""
+    if user is not None:
+        return _check_for(user, notes, change=change)
     home, home_origin = _home(notes)
     cache = os.path.join(home, ".flodl", "data")
     what = f"dataset cache {cache}"
@@ -93,6 +105,132 @@ def check(notes: list[str], *, change: bool = True) -> LocalDirs:
     _observe(_nearest_existing(cache), "dataset cache", "cached datasets", home_origin, notes)
     _observe(stage, "stage directory", "staged files", stage_origin, notes)
     return LocalDirs(cache=cache, stage=stage, missing=missing)
+
+
+# -- the training user's -----------------------------------------------------
+
+# Run by a fresh interpreter that root starts and that becomes the user
+# before it touches a path (it imports nothing after that: the interpreter's
+# own files may be root's alone). It prints "ok", "ok missing" (check mode:
+# the cache is not there, and where it would be made takes the probe), or
+# "fail STEP ERRNO PATH".
+_AS_USER = r"""
+import os, sys
+name, uid, gid, mode, path, probe_name = sys.argv[1:7]
+data = "fdl-prepare writability probe\n" * 140
+if os.geteuid() != int(uid):
+    os.initgroups(name, int(gid))
+    os.setgid(int(gid))
+    os.setuid(int(uid))
+step, where, said = "create", path, "ok"
+try:
+    if mode == "create":
+        os.makedirs(path, exist_ok=True)
+    elif mode == "check" and not os.path.isdir(path):
+        where = path
+        while where != "/" and not os.path.lexists(where):
+            where = os.path.dirname(where)
+        if not os.path.isdir(where):
+            raise NotADirectoryError(20, "Not a directory", where)
+        said = "ok missing"
+        path = where
+    step, where = "write", path
+    probe = os.path.join(path, probe_name)
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            view = memoryview(data.encode())
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        step = "remove"
+        os.unlink(probe)
+except OSError as exc:
+    print("fail", step, exc.errno or 0, where)
+    sys.exit(1)
+print(said)
+"""
+
+# A dead network home can hang a write for ever: past this, the step stops.
+AS_USER_TIMEOUT_S = 60.0
+
+
+def _check_for(user: TrainingUser, notes: list[str], *, change: bool) -> LocalDirs:
+    if not os.path.isabs(user.home):
+        raise Fail(
+            "dirs.no-home",
+            f"the training user {user.name} (user, --user) has the home {user.home!r} in the password database, "
+            f"which is not an absolute path, so there is no place for its dataset cache ($HOME/.flodl/data): give "
+            f"it a home (sudo usermod -d /home/{user.name} -m {user.name})",
+        )
+    origin = f"the home of the training user {user.name} (user, --user) in the password database"
+    var = f"{user.name}'s home (sudo usermod -d DIR -m {user.name})"
+    cache = os.path.join(user.home, ".flodl", "data")
+    what = f"dataset cache {cache}"
+    said = _as_user(user, "create" if change else "check", cache, what, origin, var)
+    missing = (cache,) if said == "ok missing" else ()
+    stage, stage_origin = _stage()
+    _as_user(user, "probe", stage, f"stage directory {stage}", stage_origin, _var(stage_origin, "TMPDIR"))
+    _observe(_nearest_existing(cache), "dataset cache", "cached datasets", origin, notes)
+    _observe(stage, "stage directory", "staged files", stage_origin, notes)
+    return LocalDirs(cache=cache, stage=stage, missing=missing)
+
+
+def _as_user(user: TrainingUser, mode: str, path: str, what: str, origin: str, var: str) -> str:
+    """Run `_AS_USER` as `user` on `path`; its "ok" word, or the Fail its
+    error calls for. As that user already, the same in a child: one way."""
+    import sys
+
+    from prepare.host import proc
+
+    name = f"{PROBE_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}"
+    argv = [sys.executable or "python3", "-I", "-S", "-c", _AS_USER, user.name, str(user.uid), str(user.gid)]
+    argv += [mode, path, name]
+    try:
+        done = proc.run(argv, timeout=AS_USER_TIMEOUT_S, env={}, cwd="/")
+    except proc.TimedOut:
+        raise Fail(
+            "dirs.unwritable",
+            f"{what} (from {origin}): writing a probe there as {user.name} did not finish within "
+            f"{AS_USER_TIMEOUT_S:g}s: the filesystem under it hangs (a dead network home?); check "
+            f"`ls {os.path.dirname(path)}` and its mount",
+        ) from None
+    except proc.ExecFailed as failed:
+        raise Fail(
+            "dirs.unwritable", f"{what}: could not start a process as {user.name} to prove it ({failed})"
+        ) from None
+    words = done.stdout.split()
+    if done.ok and words[:1] == ["ok"]:
+        return " ".join(words)
+    if len(words) >= 4 and words[0] == "fail" and words[2].isdigit():
+        step, code, where = words[1], int(words[2]), done.stdout.split(" ", 3)[3].rstrip("\n")
+        err = OSError(code, os.strerror(code) if code else "failed")
+        if step == "remove":
+            raise Fail(
+                "dirs.unwritable",
+                f"{what} (from {origin}): the probe was written but cannot be removed by {user.name}: "
+                f"{human.oserror(err)}; check the directory's permissions and mount options",
+            )
+        creating = step == "create" or where != path
+        link = _link_below(path, user.home) if code in (errno.EACCES, errno.EPERM) else None
+        if link is not None:
+            raise Fail(
+                "dirs.unwritable",
+                f"{what} (from {origin}) {'cannot be created' if creating else 'is not writable'} by {user.name}: "
+                f"{human.oserror(err)}; {link[0]} is a symbolic link (to {link[1]}), and the training user's "
+                f"directories are made and probed as {user.name}, never by root through its links: remove the "
+                f"link (sudo rm {link[0]}) and the cache is made there, owned by {user.name}",
+            )
+        raise _unusable(path if creating else where, what, origin, err, creating=creating, var=var, who=user.name)
+    raise Fail(
+        "dirs.unwritable",
+        f"{what}: the probe run as {user.name} exited {done.returncode}"
+        + (f": {human.printable(done.stderr.strip()[-400:])}" if done.stderr.strip() else "")
+        + f"; check that {user.name} can run {sys.executable}",
+    )
 
 
 # -- where the directories are ---------------------------------------------
@@ -248,7 +386,14 @@ def unusable(
 
 
 def _unusable(
-    path: str, what: str, origin: str, exc: OSError, *, creating: bool = False, var: str | None = None
+    path: str,
+    what: str,
+    origin: str,
+    exc: OSError,
+    *,
+    creating: bool = False,
+    var: str | None = None,
+    who: str | None = None,
 ) -> Fail:
     verb = "cannot be created" if creating else "is not writable"
     var = var or _var(origin, "TMPDIR")
@@ -270,8 +415,13 @@ def _unusable(
             f"filesystem with room"
         )
     elif code in (errno.EACCES, errno.EPERM):
-        user = human.user()
-        if creating:
+        user = who or human.user()
+        if creating and who is not None:
+            fix = (
+                f"{user} may not create it in {anchor}: a home should be its user's (sudo chown {user}: {anchor} "
+                f"when {anchor} is {user}'s home), or point {var} at a directory {user} owns"
+            )
+        elif creating:
             fix = (
                 f"{user} may not create it in {anchor}: "
                 f"sudo mkdir -p {path} && sudo chown {user} {path}, or point {var} at a "
@@ -292,6 +442,23 @@ def _unusable(
     else:
         fix = f"check {path} and the filesystem under it, or point {var} at another directory"
     return Fail("dirs.unwritable", f"{what} (from {origin}) {verb}: {human.oserror(exc)}; {fix}")
+
+
+def _link_below(path: str, top: str) -> tuple[str, str] | None:
+    """The first component of `path` below `top` that is a symbolic link,
+    and where it points, read without following it."""
+    rel = os.path.relpath(path, top)
+    if rel.startswith(os.pardir):
+        return None
+    current = top
+    for part in rel.split(os.sep):
+        current = os.path.join(current, part)
+        try:
+            if os.path.islink(current):
+                return current, os.readlink(current)
+        except OSError:
+            return None
+    return None
 
 
 def _nearest_existing(path: str) -> str:
