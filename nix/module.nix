@@ -126,13 +126,14 @@ let
     libtorch = {
       description = ''
         libtorch variant: `auto` (chosen from this box's cards and driver), or
-        a label the flake provides (`cpu`, `cu128`, ...). Null builds no
-        libtorch.
+        a label the flake provides (`cpu`, `cu126`, `cu128`, `rocm7.0`, ...);
+        floDl's spellings (`12.6`, `12.8`, `rocm70`, `7.0`, `rocm71`, `7.1`)
+        name the same builds. Null builds no libtorch.
       '';
       example = "auto";
     };
     devices = {
-      description = "GPU indices this box offers, in the vendor's own numbering (NVML's for NVIDIA, ROCm's for AMD), after the runtime's masks (CUDA_VISIBLE_DEVICES, ROCR_VISIBLE_DEVICES).";
+      description = "GPU indices this box offers, numbered as floDl's `devices` are: CUDA's ordinals for NVIDIA (the cards CUDA_VISIBLE_DEVICES leaves, in its order), ROCm's for AMD. Null offers every visible one.";
       example = [
         0
         1
@@ -145,6 +146,20 @@ let
       stops instead of joining a run short of cards; a card whose NVLink
       fabric is still being set up makes it retry instead.
     '';
+    user = {
+      description = ''
+        The training user: the account `fdl join` and its ranks (floDl's data
+        plane) run as. The unit runs as root, so without it step 3 proves
+        root's dataset cache (/root/.flodl/data) and stage while training
+        reads and writes the training user's. Set, step 3 proves that user's
+        cache (`~/.flodl/data` under its home in the password database,
+        created owned by it) and the stage as that user, never following a
+        link it planted, and the smoke run runs as it instead of
+        `smoke_user`. Root, a user the box does not have, and a Nix build
+        user (nixbld) stop the unit. Null: root's directories, as before.
+      '';
+      example = "fdl-train";
+    };
     smoke_user = {
       description = ''
         The unprivileged user the smoke run of the built binary runs as
@@ -525,6 +540,15 @@ in
           services.fdl-prepare.settings.join.ssh.identity_file = "${toString join.ssh.identity_file}" must be an
           absolute path outside ${builtins.storeDir} (the store is world-readable); provision the key with
           agenix or sops-nix, e.g. to /var/lib/fdl-prepare/id_ed25519.
+        '';
+      }
+      {
+        assertion = join.user == null || !(builtins.elem join.user [ "root" "" ]);
+        message = ''
+          services.fdl-prepare.settings.join.user = ${builtins.toJSON join.user}: the training user runs the
+          training source's code and owns the dataset cache, and must never be root. Set it to the account
+          `fdl join` runs as (e.g. users.users.fdl-train = { isSystemUser = true; group = "fdl-train";
+          home = "/var/lib/fdl-train"; createHome = true; }), or leave it null.
         '';
       }
       {

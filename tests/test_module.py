@@ -826,6 +826,29 @@ def test_an_identity_file_given_as_a_nix_path_is_a_type_error(evaluate_module, t
     assert "services.fdl-prepare.settings.join.ssh.identity_file" in str(caught.value)
 
 
+def test_the_training_user_reaches_the_config_and_the_spec(evaluate_module):
+    unit = evaluate_module(host('settings.join.user = "fdl-train";'))
+    assert unit.failed_assertions == []
+    table = prepare_config.load(unit.config_path)
+    assert table["user"] == "fdl-train"
+    assert prepare_config.resolve(table, {}, {}).user == "fdl-train"
+
+
+def test_the_training_user_option_says_what_it_changes(evaluate_module):
+    unit = evaluate_module(ENABLED)
+    (description,) = [o["description"] for o in unit.options if o["name"] == f"{SETTINGS}user"]
+    # The consequences, not the mechanism: whose cache step 3 proves, who the smoke run is.
+    for said in ("fdl join", "root", ".flodl/data", "smoke run", "nixbld"):
+        assert said in description
+
+
+@pytest.mark.parametrize("user", ["root", ""])
+def test_root_as_the_training_user_is_refused_at_evaluation(evaluate_module, user):
+    unit = evaluate_module(host(f'settings.join.user = "{user}";'))
+    (message,) = unit.failed_assertions
+    assert "services.fdl-prepare.settings.join.user" in message and "never be root" in message
+
+
 def test_a_relative_data_path_is_refused(evaluate_module):
     unit = evaluate_module(host('settings.join.data_path = "flodl/data";'))
     (message,) = unit.failed_assertions
