@@ -325,7 +325,6 @@ UNKNOWN_KEYS = [
     ("join", "cpuonly", "join.cpu_only"),
     ("join", "list_timout", "join.list_timeout"),
     ("join", "port", "join.ssh.port"),
-    ("join", "bin", "join.source.bin"),
     ("join.source", "from_", "join.source.from"),
     ("join.source", "biuld", "join.source.build"),
     ("join.source", "data_path", "join.data_path"),
@@ -378,6 +377,8 @@ WRONG_TYPES = [
     ("join", "list_timeout", "0", ["greater than 0"]),
     ("join", "list_timeout", "inf", ["finite"]),
     ("join", "list_timeout", "true", ["got a boolean"]),
+    ("join", "user", "1000", ["expected a string", 'user = "1000"']),
+    ("join", "user", '"-oops"', ["starts with '-'"]),
     ("join", "build_timeout", "-5", ["greater than 0"]),
     ("join", "build_timeout", "nan", ["finite"]),
     ("join.source", "from", "1", ["expected a string"]),
@@ -806,16 +807,21 @@ def test_the_range_ends_are_accepted():
 def test_a_hundred_thousand_devices_are_checked_in_linear_time():
     import time
 
+    # floDl keeps a device index in a byte: every one of them is taken...
+    every = list(range(256))
+    assert config.resolve({"devices": every}, {}, {}).devices == tuple(every)
     many = list(range(100_000))
     start = time.monotonic()
-    spec = config.resolve({"devices": many}, {}, {})
-    assert spec.devices == tuple(many)
-    flags = config.resolve({}, {"devices": config.parse_devices(",".join(map(str, many)))}, {})
-    assert flags.devices == tuple(many)
+    # ...and a generated list past them is refused at its first index past 255,
+    # from the file or a flag, with a short message.
+    fail = resolve_fail({"devices": many}, {})
+    assert "device 256 is past 255" in fail.message and len(fail.message) < 1000
+    fail = resolve_fail({}, {"devices": config.parse_devices(",".join(map(str, many)))})
+    assert "--devices" in fail.message and "device 256 is past 255" in fail.message
     assert time.monotonic() - start < 2.0
     # A repeat at the very end is still found, and the message stays short.
-    fail = resolve_fail({"devices": [*many, 99_999]}, {})
-    assert "device 99999 is listed twice" in fail.message and len(fail.message) < 1000
+    fail = resolve_fail({"devices": [*every, 255]}, {})
+    assert "device 255 is listed twice" in fail.message and len(fail.message) < 1000
 
 
 @pytest.mark.parametrize(("key", "value"), [("ssh.target", "-oProxyCommand=x"), ("ssh.user", "-l")])

@@ -199,6 +199,7 @@ def test_a_new_field_is_an_option_of_the_command(tmp_path, monkeypatch, capsys):
 # A value for each kind as typed on the command line, and as it reaches resolve.
 FLAG_SAMPLES = {
     "string": (["x"], "x"),
+    "libtorch variant": (["12.8"], "12.8"),
     "url": (["path:/x"], "path:/x"),
     "identity file": (["/etc/fdl/id_ed25519"], "/etc/fdl/id_ed25519"),
     "absolute path": (["/var/lib/x"], "/var/lib/x"),

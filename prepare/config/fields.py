@@ -440,6 +440,26 @@ FOREIGN: tuple[Foreign, ...] = (
 )
 FOREIGN_BY_KEY = {f.key: f for f in FOREIGN}
 
+
+def _bin_or_source(
+    join: Mapping[str, Any], name: Callable[[str], "tuple[str, int | None]"]
+) -> tuple[int | None, str] | None:
+    """floDl's rule: `bin` and `source` answer the same question (where the
+    training binary comes from), so a block with both is refused."""
+    if "bin" not in join or not isinstance(join.get("source"), Mapping):
+        return None
+    full, line = name("bin")
+    where = f" (line {line})" if line is not None else ""
+    return line, (
+        f"{full}{where} and [join.source] both name this box's training binary, which `fdl join` refuses: keep "
+        "join.source to have it fetched and built here, or join.bin to run a binary as given (fdl-prepare then "
+        "builds nothing)"
+    )
+
+
+# Rules of floDl's over its own keys and ours, checked where the file is.
+FOREIGN_RULES = (_bin_or_source,)
+
 # The keys of ours that floDl's `join:` block has too, with the same name
 # and nesting; every other key of ours is fdl-prepare's alone, and `fdl
 # join` refuses a block that holds one (its WorkerJoin denies unknown

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prepare.config.fields import FOREIGN_BY_KEY, Table
+from prepare.config.fields import FOREIGN_BY_KEY, FOREIGN_RULES, Table
 from prepare.config.kinds import BOOLEAN, BUILD_SECONDS, DEVICES, LIST_SECONDS, PORT, SECONDS, Kind, kind_of, show
 
 
@@ -72,14 +72,11 @@ def validate(join: Mapping[str, Any], name: Namer, table: Table, *, flags: bool 
                 problem_at(
                     line, f"{full}{at(line)} = {f.kind.show(value)}: {problem}{_hint(f.kind, key, value, flags)}"
                 )
-    if not flags and "bin" in join and isinstance(join.get("source"), Mapping):
-        full, line = name("bin")
-        problem_at(
-            line,
-            f"{full}{at(line)} and [join.source] both name this box's training binary, which `fdl join` refuses: "
-            "keep join.source to have it fetched and built here, or join.bin to run a binary as given (fdl-prepare "
-            "then builds nothing)",
-        )
+    if not flags:
+        for rule in FOREIGN_RULES:
+            said = rule(join, name)
+            if said is not None:
+                problem_at(*said)
     return [text for _, text in sorted(found, key=lambda item: item[0])]
 
 
