@@ -442,7 +442,7 @@ FOREIGN_BY_KEY = {f.key: f for f in FOREIGN}
 
 
 def _bin_or_source(
-    join: Mapping[str, Any], name: Callable[[str], "tuple[str, int | None]"]
+    join: Mapping[str, Any], name: Callable[[str], tuple[str, int | None]]
 ) -> tuple[int | None, str] | None:
     """floDl's rule: `bin` and `source` answer the same question (where the
     training binary comes from), so a block with both is refused."""
