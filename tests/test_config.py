@@ -850,3 +850,266 @@ def test_an_over_long_value_is_permanent_naming_the_key_and_the_limit(write, tab
     assert fail.permanent and fail.reason == "config.invalid"
     assert f"{table}.{key}" in fail.message and words in fail.message
     assert len(fail.message) < 2000
+
+
+# -- one config for fdl-prepare and `fdl join` ---------------------------------------------------
+
+FLODL_KEYS_TOML = """\
+[join]
+controller = "10.0.0.1:1337"
+token = "0123456789abcdef0123456789abcdef"
+host = "gpu-7"
+persist = true
+args = ["--epochs", "10"]
+gpu_ram_share = 0.5
+sig_probe = false
+libtorch = "auto"
+"""
+
+
+def test_flodls_join_keys_are_taken_and_named_in_one_note(write):
+    notes: list[str] = []
+    table = config.load(write(FLODL_KEYS_TOML), notes=notes)
+    # Left to `fdl join`: nothing of them reaches the spec.
+    assert table == {"libtorch": "auto"}
+    assert table.foreign == (
+        "join.controller",
+        "join.token",
+        "join.host",
+        "join.persist",
+        "join.args",
+        "join.gpu_ram_share",
+        "join.sig_probe",
+    )
+    (note,) = notes
+    for key in table.foreign:
+        assert key in note
+    assert "fdl join" in note
+    # The admission token is a credential: never repeated.
+    assert "0123456789abcdef" not in note
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("persist = 1", ["join.persist (line 2) = 1", "expected true or false"]),
+        ("gpu_ram_share = -0.5", ["join.gpu_ram_share (line 2)", "non-negative"]),
+        ('args = "--epochs 10"', ["join.args (line 2)", "expected an array of strings"]),
+        ('controller = "-oProxyCommand=x"', ["join.controller (line 2)", "starts with '-'"]),
+    ],
+)
+def test_a_flodl_key_of_the_wrong_type_is_refused_as_fdl_join_would(write, line, words):
+    fail = load_fail(write(f"[join]\n{line}\n"))
+    assert fail.reason == "config.invalid"
+    for word in words:
+        assert word in fail.message, fail.message
+
+
+def test_a_bad_token_is_refused_without_repeating_it(write):
+    fail = load_fail(write('[join]\ntoken = ""\n'))
+    assert fail.reason == "config.invalid"
+    assert "join.token (line 2) = <token, not shown>" in fail.message
+    fail = load_fail(write("[join]\ntoken = 12345678901\n"))
+    assert fail.reason == "config.invalid" and "12345678901" not in fail.message
+
+
+def test_bin_and_source_together_are_refused_as_fdl_join_refuses_them(write):
+    fail = load_fail(write('[join]\nbin = "/opt/train"\n\n[join.source]\nfrom = "path:/srv/train"\n'))
+    assert fail.reason == "config.invalid"
+    assert "join.bin (line 2) and [join.source] both name" in fail.message
+
+
+def test_bin_alone_is_fdl_joins_and_builds_nothing(write):
+    notes: list[str] = []
+    table = config.load(write('[join]\nbin = "/opt/train"\n'), notes=notes)
+    assert table == {} and table.foreign == ("join.bin",)
+    spec = config.resolve(table, {}, {})
+    assert spec.source is None and not spec.wants_build
+
+
+@pytest.mark.parametrize(
+    ("alias", "label"),
+    [("12.6", "cu126"), ("12.8", "cu128"), ("rocm70", "rocm7.0"), ("7.0", "rocm7.0"), ("rocm71", "rocm7.1"),
+     ("7.1", "rocm7.1"), (" cu128 ", "cu128"), ("rocm7.0", "rocm7.0"), ("auto", "auto"), ("cpu", "cpu")],
+)  # fmt: skip
+def test_flodls_libtorch_spellings_name_the_flakes_labels(alias, label):
+    assert config.resolve({"libtorch": alias}, {}, {}).libtorch == label
+    assert config.resolve({}, {"libtorch": alias}, {}).libtorch == label
+    # A spec built in code is normalised by the plan the same way.
+    built = plan(PrepareSpec(libtorch=alias, flake="github:example/fdl")).build
+    assert built is not None and built.libtorch == label
+
+
+def test_devices_all_offers_every_device_from_the_file_a_flag_or_code(write):
+    assert config.resolve(config.load(write('[join]\ndevices = "all"\n')), {}, {}).devices is None
+    # `--devices all` replaces the file's list, as any --devices does.
+    assert config.resolve({"devices": [0, 1]}, {"devices": config.parse_devices("all")}, {}).devices is None
+    assert config.parse_devices(" ALL ") == "all"
+    assert plan(PrepareSpec(devices="all")).gate.devices is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ['"every"', '"0,1"'])
+def test_a_devices_string_other_than_all_is_refused_with_the_list_hint(write, value):
+    fail = load_fail(write(f"[join]\ndevices = {value}\n"))
+    assert fail.reason == "config.invalid" and "join.devices (line 2)" in fail.message
+
+
+def test_the_training_user_is_a_key_and_a_flag():
+    assert config.resolve({"user": "trainer"}, {}, {}).user == "trainer"
+    spec = config.resolve({"user": "trainer"}, {"user": "other"}, {})
+    assert spec.user == "other" and str(spec.origin("user")) == "--user"
+
+
+# -- floDl's fdl.yml ---------------------------------------------------------------------------
+
+FDL_YML = """\
+description: a floDl project
+commands:
+  train:
+    run: cargo run --release
+cluster: {}
+join:
+  controller: 10.0.0.1:1337
+  token: 0123456789abcdef0123456789abcdef
+  persist: true
+  libtorch: "12.8"
+  devices: [0, 1]
+  data_path: /flodl/data
+  data_source: sshfs://data@storage.example:/srv/datasets
+  ssh:
+    target: controller.example
+    port: 2222
+    user: worker
+    identity_file: /etc/fdl/id_ed25519
+    options: [ServerAliveInterval=15]
+  source:
+    from: git+https://git.example/train.git?ref=main
+    cwd: .
+    build: cargo build --release
+    bin: target/release/train
+"""
+
+
+@pytest.mark.parametrize("name", ["fdl.yml", "fdl.yaml", "FDL.YML"])
+def test_an_fdl_yml_is_read_as_its_join_block_with_flodls_names(write, name):
+    notes: list[str] = []
+    table = config.load(write(FDL_YML, name), notes=notes)
+    assert table == {
+        "libtorch": "12.8",
+        "devices": [0, 1],
+        "data_path": "/flodl/data",
+        "data_source": "sshfs://data@storage.example:/srv/datasets",
+        "ssh": {
+            "target": "controller.example",
+            "port": 2222,
+            "user": "worker",
+            "identity_file": "/etc/fdl/id_ed25519",
+            "options": ["ServerAliveInterval=15"],
+        },
+        "source": {
+            "from": "git+https://git.example/train.git?ref=main",
+            "cwd": ".",
+            "build": "cargo build --release",
+            "bin": "target/release/train",
+        },
+    }
+    assert table.foreign == ("join.controller", "join.token", "join.persist")
+    assert len(notes) == 1 and "0123456789abcdef" not in notes[0]
+    spec = config.resolve(table, {}, {})
+    assert spec.libtorch == "cu128" and spec.devices == (0, 1) and spec.ssh.port == 2222
+
+
+def test_an_fdl_yml_without_join_is_an_empty_config(write):
+    assert config.load(write("commands:\n  x: {run: ls}\n", "fdl.yml")) == {}
+    assert config.load(write("", "fdl.yml")) == {}
+    assert config.load(write("join:\n", "fdl.yml")) == {}
+
+
+def test_an_fdl_yml_gets_the_same_checks_and_messages_as_the_toml(write):
+    fail = load_fail(write("join:\n  ssh:\n    port: 70000\n  devices: [0, 0]\n", "fdl.yml"))
+    assert fail.reason == "config.invalid"
+    assert "join.ssh.port (line 3) = 70000: expected a port from 1 to 65535" in fail.message
+    assert "join.devices (line 4)" in fail.message and "device 0 is listed twice" in fail.message
+    fail = load_fail(write("join:\n  data_pth: /x\n", "fdl.yml"))
+    assert "unknown key join.data_pth (line 2); did you mean join.data_path?" in fail.message
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("join:\n  user: trainer\n", "join.user (line 2)"),
+        ("join:\n  expect_gpus: 8\n", "join.expect_gpus (line 2)"),
+        ("join:\n  source:\n    from: path:/x\n    smoke: [--smoke]\n", "join.source.smoke (line 4)"),
+        ("join:\n  nix:\n    substituters: [https://c.example]\n", "join.nix (line 2)"),
+    ],
+)
+def test_a_key_of_fdl_prepares_alone_in_an_fdl_yml_is_refused_since_fdl_join_would_stop(write, text, key):
+    fail = load_fail(write(text, "fdl.yml"))
+    assert fail.reason == "config.invalid"
+    assert f"{key} is fdl-prepare's alone" in fail.message
+    assert "TOML config" in fail.message
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        # YAML 1.2, as floDl's serde_yaml reads it: these are strings there.
+        ("join:\n  persist: yes\n", ['join.persist (line 2) = "yes"', "expected true or false"]),
+        ("join:\n  ssh:\n    port: 1:20\n", ['join.ssh.port (line 3) = "1:20"']),
+        ("join:\n  data_path: 2024-01-01\n", ['join.data_path (line 2) = "2024-01-01"']),
+    ],
+)
+def test_an_fdl_yml_is_read_as_yaml_1_2_as_fdl_join_reads_it(write, text, words):
+    fail = load_fail(write(text, "fdl.yml"))
+    assert fail.reason == "config.invalid"
+    for word in words:
+        assert word in fail.message, fail.message
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("a: &x [0, 1]\njoin:\n  devices: *x\n", ["alias"]),
+        ("join:\n  devices: [0]\n  devices: [1]\n", ["line 3", "join.devices is set twice"]),
+        ("join: {}\njoin: {}\n", ["join is set twice"]),
+        ("join: [\n", ["invalid YAML", "line 2"]),
+        ("join:\n  1: x\n", ["line 2", "write the key as a name"]),
+        ("join:\n  ? [a]\n  : b\n", ["write the key as a name"]),
+        ("join:\n  data_path: !!python/object:os.system x\n", ["invalid YAML"]),
+        ("--- {}\n--- {}\n", ["invalid YAML"]),
+        ("- join\n", ["is a mapping of keys"]),
+        ("join: 3\n", ["join must be a mapping"]),
+        ("jion:\n  data_path: /x\n", ["did you mean join:"]),
+    ],
+)
+def test_a_hostile_or_broken_fdl_yml_is_permanent_with_its_line(write, text, words):
+    fail = load_fail(write(text, "fdl.yml"))
+    assert fail.reason == "config.invalid"
+    for word in words:
+        assert word in fail.message, fail.message
+
+
+def test_a_billion_laughs_fdl_yml_is_refused_at_once():
+    import time
+
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]" for i in range(1, 30)]
+    lines += ["join:", "  args: *a29"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "fdl.yml"
+        path.write_text("\n".join(lines) + "\n")
+        start = time.monotonic()
+        fail = load_fail(path)
+    assert fail.reason == "config.invalid" and "alias" in fail.message
+    assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("depth", [100, 100_000])
+def test_a_deeply_nested_fdl_yml_is_permanent_not_a_recursion_error(write, depth):
+    fail = load_fail(write("join:\n  args: " + "[" * depth + "]" * depth + "\n", "fdl.yml"))
+    assert fail.reason == "config.invalid" and "deeper" in fail.message
+
+
+def test_an_fdl_yml_is_held_to_the_same_size_bound(write):
+    fail = load_fail(write("join: {}\n" + "#" * config.MAX_CONFIG_BYTES + "\n", "fdl.yml"))
+    assert fail.reason == "config.unreadable"
