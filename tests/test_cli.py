@@ -608,3 +608,50 @@ def test_zsh_loads_the_completion_for_both_programs(tmp_path: Path) -> None:
 def test_a_completion_for_a_shell_it_does_not_know_is_a_usage_error() -> None:
     done = fdl(dict(os.environ), "completion", "tcsh")
     assert done.returncode == 2 and "completion" in done.stderr and done.stdout == ""
+
+
+# -- one config for fdl-prepare and `fdl join` ---------------------------------------------------
+
+
+def test_an_fdl_yml_is_a_config_and_its_flodl_keys_are_named_in_one_note(box: dict[str, str], tmp_path: Path) -> None:
+    fdl_yml = tmp_path / "fdl.yml"
+    fdl_yml.write_text(
+        "commands: {train: {run: cargo run}}\n"
+        "join:\n  controller: 10.0.0.1:1337\n  token: 0123456789abcdef\n  persist: true\n  devices: all\n"
+    )
+    done = fdl(box, "--config", str(fdl_yml), "--cpu-only", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    said = [n for n in out["notes"] if "join.controller" in n]
+    assert len(said) == 1 and "join.token" in said[0] and "join.persist" in said[0] and "fdl join" in said[0]
+    assert "0123456789abcdef" not in done.stdout + done.stderr
+
+
+def test_a_key_of_fdl_prepares_alone_in_an_fdl_yml_exits_78_naming_the_flag(
+    box: dict[str, str], tmp_path: Path
+) -> None:
+    fdl_yml = tmp_path / "fdl.yaml"
+    fdl_yml.write_text("join:\n  expect_gpus: 8\n")
+    done = fdl(box, "--config", str(fdl_yml), "--json")
+    assert done.returncode == 78
+    out = json.loads(done.stdout)
+    assert out["reason"] == "config.invalid" and "--expect-gpus" in out["message"]
+
+
+@pytest.mark.parametrize("user", ["root", "no-such-user-fdl"])
+def test_a_training_user_that_cannot_be_is_refused_naming_user_and_the_flag(box: dict[str, str], user: str) -> None:
+    done = fdl(box, "--cpu-only", "--user", user, "--json")
+    assert done.returncode == 78
+    out = json.loads(done.stdout)
+    assert out["reason"] == "config.invalid"
+    assert f"user = {user!r} (from --user)" in out["message"] and "Fix:" in out["message"]
+
+
+def test_devices_all_as_a_flag_is_taken(box: dict[str, str]) -> None:
+    Path(box["FDL_PREPARE_CONFIG"]).write_text("[join]\ndevices = [0, 1]\n")
+    # No NVML here: with `all` the gate runs (and finds no GPU); a word that
+    # is not a list nor `all` is refused before it.
+    taken = json.loads(fdl(box, "gpus", "--devices", "all", "--json").stdout)
+    assert taken.get("reason") != "config.invalid", taken
+    refused = json.loads(fdl(box, "gpus", "--devices", "every", "--json").stdout)
+    assert refused["reason"] == "config.invalid" and "--devices all" in refused["message"]

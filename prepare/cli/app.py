@@ -68,7 +68,10 @@ GPUS_KEYS = ("devices", "expect_gpus", "driver_dir")
 # The commands that read the config, and the root options they take, given
 # before their word as after it (after it wins): `check` is an attempt's.
 TAKES_CONFIG: dict[str, tuple[str, ...] | None] = {"gpus": GPUS_KEYS, "check": None}
-CONFIG_HELP = "TOML file with a [join] table. Default: $FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present."
+CONFIG_HELP = (
+    "TOML file with a [join] table, or floDl's fdl.yml (a .yml/.yaml file: its join: block). Default: "
+    "$FDL_PREPARE_CONFIG, else /etc/fdl/prepare.toml if present."
+)
 
 
 def revision() -> str:
@@ -492,7 +495,7 @@ def _publish_args(given: argparse.Namespace, publish: Parser) -> None:
         )
 
 
-def _spec(given: argparse.Namespace, table: Table, command: str | None = None) -> Any:
+def _spec(given: argparse.Namespace, table: Table, command: str | None = None, notes: list[str] | None = None) -> Any:
     """The PrepareSpec of the config file and the options: the root's, and
     after a command's word (`command`) that command's own, which win. For
     a command that takes only some fields, only those are read from the
@@ -502,7 +505,7 @@ def _spec(given: argparse.Namespace, table: Table, command: str | None = None) -
     values = vars(given)
     own = None if command is None else values.get(f"{command}.config")
     path = config.find_path(own if own is not None else given.config, os.environ)
-    file = config.load(path, table=table) if path is not None else {}
+    file = config.load(path, table=table, notes=notes) if path is not None else {}
     given_flags = flags(table, given)
     if command is not None:
         taken = _taken(command, table)
@@ -548,7 +551,7 @@ def _prepare(given: argparse.Namespace, table: Table) -> int:
     def work() -> Any:
         from prepare import pipeline
 
-        spec = _spec(given, table)
+        spec = _spec(given, table, notes=report.notes)
         with watched(report):
             return pipeline.prepare(spec, report.notes, progress=progress_for(report))
 
@@ -587,7 +590,7 @@ def _check(given: argparse.Namespace, table: Table) -> int:
     def work() -> Any:
         from prepare import pipeline
 
-        spec = _spec(given, table, "check")
+        spec = _spec(given, table, "check", notes=report.notes)
         with watched(report):
             return pipeline.check(spec, report.notes, progress=progress_for(report))
 
