@@ -11,10 +11,13 @@ The steps run this way need nothing outside the standard library.
 
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -64,3 +67,29 @@ def run_as(uid: int, code: str, env: dict[str, str] | None = None) -> subprocess
         env={**base, **(env or {})}, user=uid, group=uid, extra_groups=[], cwd="/",
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
+
+
+def real_user(prefix: str = "fdlt") -> Iterator[pwd.struct_passwd]:
+    """A user of this box for one test, with a home of its own (0700, its
+    own) under a directory every user may enter; removed, home and all,
+    afterwards. For the steps that look a user up in the password database
+    (the training user): a bare uid has no name, home or groups. Root only."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a user needs root")
+    if shutil.which("useradd") is None:
+        pytest.skip("no useradd on this box")
+    name = f"{prefix}{os.urandom(4).hex()}"
+    top = Path(tempfile.mkdtemp(prefix="fdl-users-", dir="/tmp"))
+    top.chmod(0o755)
+    home = top / name
+    subprocess.run(
+        ["useradd", "--home-dir", str(home), "--create-home", "--shell", "/usr/sbin/nologin", "--user-group", name],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    try:
+        home.chmod(0o700)
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, timeout=60, check=False)
+        subprocess.run(["groupdel", name], capture_output=True, timeout=60, check=False)
+        shutil.rmtree(top, ignore_errors=True)

@@ -364,3 +364,128 @@ def test_several_processes_checking_at_once_all_pass_and_leave_nothing_behind(bo
         caches = pool.map(_check_in_child, range(40))
     assert set(caches) == {str(box.cache)}
     assert os.listdir(box.cache) == [] and os.listdir(box.stage) == []
+
+
+# -- the training user's directories -------------------------------------------------------------
+
+
+@pytest.fixture
+def trainer(box, open_tmp, monkeypatch):
+    """A real user, and a stage it may write (a sticky 1777 directory, as
+    /tmp is): pytest's own is root's alone."""
+    stage = open_tmp / "stage"
+    stage.mkdir()
+    stage.chmod(0o1777)
+    monkeypatch.setenv("TMPDIR", str(stage))
+    box.stage = stage
+    yield from other_user.real_user()
+
+
+def _user(entry: pwd.struct_passwd):
+    from prepare.host.training_user import lookup
+
+    return lookup(entry.pw_name)
+
+
+def test_the_training_users_cache_is_made_by_it_under_its_home_and_the_stage_proven_as_it(box, trainer):
+    notes: list[str] = []
+    got = dirs.check(notes, user=_user(trainer))
+    cache = Path(trainer.pw_dir) / ".flodl" / "data"
+    # Its home from the password database, not fdl-prepare's $HOME.
+    assert got == dirs.LocalDirs(cache=str(cache), stage=str(box.stage))
+    assert not box.cache.exists()
+    for made in (cache, cache.parent):
+        st = made.lstat()
+        assert (st.st_uid, st.st_gid) == (trainer.pw_uid, trainer.pw_gid), made
+    assert probes(cache) == [] and probes(box.stage) == []
+
+
+def test_a_check_for_the_training_user_creates_nothing_and_names_the_missing_cache(box, trainer):
+    before = sorted(os.listdir(trainer.pw_dir))
+    got = dirs.check([], change=False, user=_user(trainer))
+    cache = Path(trainer.pw_dir) / ".flodl" / "data"
+    assert got.missing == (str(cache),)
+    assert not cache.parent.exists() and sorted(os.listdir(trainer.pw_dir)) == before
+
+
+def test_a_stage_root_may_write_but_the_training_user_may_not_fails_naming_the_user(
+    box, trainer, open_tmp, monkeypatch
+):
+    # 0755 and root's: root would pass its own probe here, the user cannot write.
+    monkeypatch.setenv("TMPDIR", str(open_tmp))
+    fail = check_failing_for(trainer)
+    assert fail.reason == "dirs.unwritable"
+    assert f"stage directory {open_tmp}" in fail.message and f"{trainer.pw_name} may not write there" in fail.message
+    assert probes(open_tmp) == []
+
+
+@pytest.mark.parametrize("planted", [".flodl", ".flodl/data"])
+def test_a_link_the_training_user_planted_leads_root_nowhere(box, trainer, open_tmp, planted):
+    # Root's own directory, which a root-made cache through the link would land in.
+    target = open_tmp / "roots"
+    target.mkdir()
+    (target / "data").mkdir() if planted == ".flodl" else None
+    link = Path(trainer.pw_dir) / planted
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.lchown(link.parent, trainer.pw_uid, trainer.pw_gid)
+    link.symlink_to(target)
+    os.lchown(link, trainer.pw_uid, trainer.pw_gid)
+    before = sorted(p.name for p in target.rglob("*"))
+    fail = check_failing_for(trainer)
+    assert fail.reason == "dirs.unwritable"
+    assert f"{link} is a symbolic link" in fail.message and "sudo rm" in fail.message
+    # Nothing made or written through the link: no cache, no probe.
+    assert sorted(p.name for p in target.rglob("*")) == before
+
+
+def check_failing_for(entry: pwd.struct_passwd) -> Fail:
+    with pytest.raises(Fail) as caught:
+        dirs.check([], user=_user(entry))
+    return caught.value
+
+
+def test_a_training_user_whose_home_is_missing_fails_with_the_fix(box, trainer):
+    shutil.rmtree(trainer.pw_dir)
+    fail = check_failing_for(trainer)
+    assert fail.reason == "dirs.unwritable"
+    assert "cannot be created" in fail.message and trainer.pw_name in fail.message
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [("root", "is root"), ("nixbld1", "Nix build user"), ("fdl-no-such-user", "is not a user of this box")],
+)
+def test_root_an_unknown_user_and_a_nix_build_user_are_refused_as_the_training_user(name, words):
+    from prepare.plan import plan
+    from prepare.spec import PrepareSpec
+
+    if name == "nixbld1":
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            pytest.skip("no Nix build users on this box")
+    with pytest.raises(Fail) as caught:
+        plan(PrepareSpec(user=name))
+    assert caught.value.reason == "config.invalid"
+    assert f"user = {name!r}" in caught.value.message and words in caught.value.message
+    assert "(--user)" in caught.value.message
+
+
+def test_without_a_training_user_the_plan_keeps_todays_directories_and_smoke_user():
+    from prepare.plan import plan
+    from prepare.spec import PrepareSpec
+
+    planned = plan(PrepareSpec())
+    assert planned.user is None and planned.smoke.user == "nobody"
+
+
+def test_the_training_user_is_the_smoke_runs_user(trainer):
+    from prepare.host.training_user import training_user
+    from prepare.plan import plan
+    from prepare.spec import PrepareSpec
+
+    spec = PrepareSpec(user=trainer.pw_name, smoke_user="nobody")
+    planned = plan(spec)
+    assert planned.smoke.user == trainer.pw_name
+    assert planned.user == training_user(spec)
+    assert planned.user is not None and planned.user.home == trainer.pw_dir and planned.user.uid == trainer.pw_uid
