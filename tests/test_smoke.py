@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,36 @@ def test_the_smoke_run_runs_as_nobody_with_no_capabilities_and_a_clean_environme
     ), notes
 
 
+@pytest.fixture
+def trainer() -> Iterator[Any]:
+    from other_user import real_user
+
+    yield from real_user()
+
+
+@root_only
+def test_with_a_training_user_the_smoke_run_runs_as_it_with_no_capabilities_and_a_clean_environment(
+    public, trainer, monkeypatch
+):
+    from prepare.plan import plan
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI-not-for-the-training")
+    binary = script(public / "train", REPORT.removeprefix("#!/bin/sh\n"))
+    report = _outbox(public)
+    # `user` outranks smoke_user: the binary is proven as whom it will train as.
+    planned = plan(PrepareSpec(user=trainer.pw_name, smoke_user="nobody"))
+    notes: list[str] = []
+    smoke.run(binary, [str(report)], planned.smoke.timeout_s, notes, user=planned.smoke.user)
+    seen = _report(report)
+    ids = seen["ids"]
+    assert isinstance(ids, dict)
+    assert (ids["uid"], ids["gid"]) == (str(trainer.pw_uid), str(trainer.pw_gid))
+    assert seen["status"]["CapEff"] == "0000000000000000" and seen["status"]["NoNewPrivs"] == "1"
+    env = seen["env"]
+    assert isinstance(env, dict) and "AWS_SECRET_ACCESS_KEY" not in env
+    assert f"(as {trainer.pw_name}" in notes[0]
+
+
 def _devices_allowed() -> Path:
     """A directory every user can reach on a file system that honours
     device nodes (a tmpfs /tmp is often mounted nodev, as Debian 13's is)."""
@@ -317,7 +348,7 @@ def test_as_another_user_the_smoke_run_runs_as_itself_cleanly_and_still_stops_wh
         print(done.stdout)
         seen = _report(report)
         print(json.dumps(seen, indent=2, sort_keys=True))
-        assert seen["ids"]["uid"] == str(NOBODY)  # type: ignore[index]
+        assert seen["ids"]["uid"] == str(NOBODY)
         status = seen["status"]
         assert isinstance(status, dict)
         assert (status["CapEff"], status["CapPrm"], status["CapInh"], status["CapAmb"], status["NoNewPrivs"]) == (
