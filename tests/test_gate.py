@@ -405,12 +405,23 @@ def test_devices_offers_only_the_cards_it_names(nvml_box):
     assert any("leaves out GPU 1" in n for n in notes)
 
 
-def test_devices_applies_after_cuda_visible_devices(nvml_box, monkeypatch):
+def test_devices_are_cuda_ordinals_among_the_cards_cuda_visible_devices_leaves(nvml_box, monkeypatch):
+    # floDl's devices are CUDA's ordinals: ordinal k is the k-th card the
+    # variable leaves, in its order (here NVML 2, then NVML 1).
     nvml_box(three_cards())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
-    gpus = gate.check(gate.GatePlan(devices=(0, 1, 2)), [])
+    gpus = gate.check(gate.GatePlan(devices=(0, 1)), [])
     assert gpus.offered_indices == (2, 1)
     assert gpus.masked_by(0) == "CUDA_VISIBLE_DEVICES"
+    gpus = gate.check(gate.GatePlan(devices=(0,)), [])
+    assert gpus.offered_indices == (2,)
+    assert gpus.masked_by(1) == "devices" and gpus.masked_by(2) is None
+
+
+def test_unset_cuda_visible_devices_makes_the_ordinals_nvmls_indices(nvml_box, monkeypatch):
+    nvml_box(three_cards())
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gate.check(gate.GatePlan(devices=(1,)), []).offered_indices == (1,)
 
 
 def test_devices_naming_an_absent_card_is_permanent_and_names_the_field(nvml_box):
@@ -423,14 +434,17 @@ def test_devices_naming_an_absent_card_is_permanent_and_names_the_field(nvml_box
     assert "GPU 3" in message and "indices 0-1" in message
 
 
-def test_devices_and_cuda_visible_devices_that_share_no_card_are_permanent(nvml_box, monkeypatch):
+def test_an_ordinal_past_what_cuda_visible_devices_leaves_is_permanent_naming_both(nvml_box, monkeypatch):
     nvml_box(ampere_pair())
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     with pytest.raises(Fail) as failed:
-        gate.check(gate.GatePlan(devices=(0,)), [])
+        gate.check(gate.GatePlan(devices=(1,)), [])
+    assert failed.value.reason == "gpu.device-absent"
     message = failed.value.message
-    assert "CUDA_VISIBLE_DEVICES='1' then devices = [0] (--devices)" in message
-    assert "fdl-prepare gpus" in message
+    assert "devices = [1] (--devices) names CUDA device 1" in message
+    assert "CUDA_VISIBLE_DEVICES='1' leaves 1 device(s), CUDA ordinals 0-0" in message
+    # The one card it leaves is ordinal 0, whatever NVML numbers it.
+    assert gate.check(gate.GatePlan(devices=(0,)), []).offered_indices == (1,)
 
 
 # -- output -----------------------------------------------------------------------

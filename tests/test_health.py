@@ -131,8 +131,13 @@ def test_a_card_named_in_devices_still_setting_up_its_fabric_is_transient(nvml_b
 def test_a_card_masked_by_cuda_visible_devices_is_the_masks_business_not_a_sick_named_one(nvml_box, monkeypatch):
     nvml_box([FakeGpu(), FakeGpu(ecc=1)])
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    gpus = gate.check(gate.GatePlan(devices=(0, 1)), [])
+    gpus = gate.check(gate.GatePlan(devices=(0,)), [])
     assert gpus is not None and gpus.offered_indices == (0,)
+    # devices counts CUDA's ordinals, among what the mask leaves: the sick
+    # card it hides cannot be named, and naming past it is an absent card.
+    with pytest.raises(Fail) as failed:
+        gate.check(gate.GatePlan(devices=(0, 1)), [])
+    assert failed.value.reason == "gpu.device-absent"
 
 
 def test_a_fabric_still_being_set_up_on_every_card_is_transient(nvml_box):

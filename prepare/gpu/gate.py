@@ -210,14 +210,33 @@ def _refuse_no_device(gpus: Gpus) -> None:
 
 
 def _with_devices(plan: GatePlan, gpus: Gpus, notes: list[str]) -> Gpus:
-    """`devices` applied: a card it names must be there and able to train."""
+    """`devices` applied: a card it names must be there and able to train.
+
+    NVIDIA cards are named as floDl names them (its `devices` are CUDA's
+    ordinals): ordinal k is the k-th card CUDA_VISIBLE_DEVICES leaves, in its
+    order, and with the variable unset, NVML index k. The gate keeps NVML
+    indices, so an ordinal is turned into one here; AMD cards keep ROCm's
+    numbering."""
     devices = gpus.devices
     amd = gpus.amd
     if plan.devices is None:
         return gpus
-    wanted = tuple(dict.fromkeys(plan.devices))
+    ordinals = tuple(dict.fromkeys(plan.devices))
+    cuda = gpus.visible if gpus.visible is not None else tuple(d.index for d in devices)
+    # NVML's indices of the NVIDIA cards the ordinals name.
+    wanted = tuple(cuda[i] for i in ordinals if 0 <= i < len(cuda))
     amd_count = 0 if amd is None else amd.runtime_count
-    absent = [i for i in wanted if not (0 <= i < len(devices) or 0 <= i < amd_count)]
+    absent = [i for i in ordinals if not (0 <= i < len(cuda) or 0 <= i < amd_count)]
+    if absent and gpus.visible is not None and amd is None:
+        raise Fail(
+            "gpu.device-absent",
+            f"GPU gate: devices = {list(plan.devices)} (--devices) names "
+            + ", ".join(f"CUDA device {i}" for i in absent)
+            + f", but CUDA_VISIBLE_DEVICES={gpus.cuda_visible_devices!r} leaves {len(cuda)} device(s), CUDA "
+            f"ordinals 0-{len(cuda) - 1} (devices counts, as floDl does, among the cards CUDA_VISIBLE_DEVICES "
+            "leaves, in its order). Change devices in [join] (or --devices), or CUDA_VISIBLE_DEVICES; "
+            "`fdl-prepare gpus` lists the cards.",
+        )
     if absent and amd is None:
         raise Fail(
             "gpu.device-absent",
@@ -240,28 +259,31 @@ def _with_devices(plan: GatePlan, gpus: Gpus, notes: list[str]) -> Gpus:
             "its own from 0, as its runtime does). Change devices in [join] (or --devices) to indices that "
             "exist; `fdl-prepare gpus` lists them.",
         )
-    _refuse_named_sick(plan.devices, gpus)
+    _refuse_named_sick(plan.devices, gpus, nvml_named=wanted)
     kept = tuple(d for d in gpus.offered if d.index in wanted)
     gpus = replace(gpus, offered=kept, devices_mask=wanted)
     dropped: list[str] = [d.label() for d in devices if d.usable and gpus.masked_by(d.index) == "devices"]
     if amd is not None:
-        amd = amd.with_devices(wanted)
+        amd = amd.with_devices(ordinals)
         gpus = replace(gpus, amd=amd)
         dropped += [d.label() for d in amd.devices if d.usable and amd.masked_by(d.index) == "devices"]
     if dropped:
-        line = f"devices = {list(wanted)} (--devices) leaves out " + ", ".join(dropped) + "."
+        line = f"devices = {list(ordinals)} (--devices) leaves out " + ", ".join(dropped) + "."
         notes.append(line)
         gpus = replace(gpus, notes=gpus.notes + (line,))
     return gpus
 
 
-def _refuse_named_sick(named: Sequence[int], gpus: Gpus) -> None:
+def _refuse_named_sick(named: Sequence[int], gpus: Gpus, *, nvml_named: Sequence[int] | None = None) -> None:
     """A card `devices` names is one the operator means to train on: when
     it cannot (unusable, sick, or its fabric not up), the box stops, naming
     it, rather than train on fewer cards with only a note to say so. Cards
-    CUDA_VISIBLE_DEVICES or the ROCm masks hide are the masks' business."""
+    CUDA_VISIBLE_DEVICES or the ROCm masks hide are the masks' business.
+    `nvml_named`: the NVML indices `named` stands for (its CUDA ordinals turned
+    into them), where they differ."""
     wanted = set(named)
-    nvidia = [d for d in gpus.devices if d.index in wanted and gpus.masked_by(d.index) is None and not d.healthy]
+    nvml = set(named if nvml_named is None else nvml_named)
+    nvidia = [d for d in gpus.devices if d.index in nvml and gpus.masked_by(d.index) is None and not d.healthy]
     amd = gpus.amd
     amd_bad = []
     if amd is not None and amd.blocked is None:
