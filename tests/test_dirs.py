@@ -489,3 +489,18 @@ def test_the_training_user_is_the_smoke_runs_user(trainer):
     assert planned.smoke.user == trainer.pw_name
     assert planned.user == training_user(spec)
     assert planned.user is not None and planned.user.home == trainer.pw_dir and planned.user.uid == trainer.pw_uid
+
+
+def test_an_attempt_and_a_check_with_a_training_user_prove_its_directories(box, trainer):
+    from prepare.pipeline import check, prepare
+    from prepare.spec import PrepareSpec
+
+    spec = PrepareSpec(cpu_only=True, user=trainer.pw_name)
+    cache = Path(trainer.pw_dir) / ".flodl" / "data"
+    checked = check(spec, [])
+    assert checked.steps["dirs"].verdict == "would create" and str(cache) in checked.steps["dirs"].detail
+    assert not cache.exists() and not box.cache.exists()
+    prepare(spec, [])
+    assert cache.is_dir() and cache.stat().st_uid == trainer.pw_uid
+    # Root's own $HOME/.flodl/data is not the training user's, and is left alone.
+    assert not box.cache.exists()
