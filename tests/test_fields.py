@@ -227,3 +227,17 @@ def test_every_fields_flag_reaches_resolve_under_its_key(f):
     given, extra = app.parser().parse_known_args([f.flag, *text])
     assert extra == [] and given.command is None
     assert app.flags(TABLE, given) == nest({f.key: value})
+
+
+def test_flodls_keys_are_its_own_or_ours_with_its_names():
+    from prepare.config.fields import FOREIGN_BY_KEY, SHARED_WITH_FLODL
+
+    # A key fdl join alone acts on is none of ours, and a key both read is one.
+    assert not set(FOREIGN_BY_KEY) & set(TABLE.by_key)
+    assert SHARED_WITH_FLODL <= set(TABLE.by_key)
+    # floDl's join block (flodl-cli's WorkerJoin, SshConfig, WorkerSource), whole.
+    assert set(FOREIGN_BY_KEY) | SHARED_WITH_FLODL == {
+        "controller", "ssh.target", "ssh.port", "ssh.user", "ssh.identity_file", "ssh.options", "token", "bin",
+        "source.from", "source.cwd", "source.build", "source.bin", "libtorch", "host", "devices", "persist",
+        "data_path", "data_source", "gpu_ram_share", "sig_probe", "args",
+    }  # fmt: skip
