@@ -1113,3 +1113,9 @@ def test_a_deeply_nested_fdl_yml_is_permanent_not_a_recursion_error(write, depth
 def test_an_fdl_yml_is_held_to_the_same_size_bound(write):
     fail = load_fail(write("join: {}\n" + "#" * config.MAX_CONFIG_BYTES + "\n", "fdl.yml"))
     assert fail.reason == "config.unreadable"
+
+
+def test_a_misspelt_key_of_flodls_is_refused_naming_the_key_meant(write):
+    fail = load_fail(write('[join]\ncontroler = "10.0.0.1"\n'))
+    assert fail.reason == "config.invalid"
+    assert "unknown key join.controler (line 2); did you mean join.controller, `fdl join`'s" in fail.message

@@ -140,6 +140,9 @@ def _suggest(sub: str, key: str, table: Table) -> str:
     close = difflib.get_close_matches(key, list(schema) + ([] if sub else table.subtables), n=1, cutoff=0.6)
     if close:
         return f"did you mean join.{sub + '.' if sub else ''}{close[0]}? {valid}"
+    theirs = [] if sub else difflib.get_close_matches(key, list(FOREIGN_BY_KEY), n=1, cutoff=0.75)
+    if theirs:
+        return f"did you mean join.{theirs[0]}, `fdl join`'s ({FOREIGN_BY_KEY[theirs[0]].meaning})? {valid}"
     for other, other_schema in table.tables.items():
         if other == sub:
             continue
