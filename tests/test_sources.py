@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from nix_fixtures import trainer
 from sshd_fixtures import free_port
 
 from prepare.build import source, transport
@@ -20,7 +21,7 @@ from prepare.build.workspace import Phases, Workspace
 from prepare.fail import Fail
 from prepare.nix import urls
 from prepare.nix.runner import Nix, Prefetched
-from prepare.spec import SshSpec
+from prepare.spec import PrepareSpec, SourceSpec, SshSpec
 
 
 def _need_rsync() -> None:
@@ -352,3 +353,47 @@ def test_a_git_ssh_source_reaches_the_host_with_the_ssh_block(tmp_path, nix_env,
     fetched = _fetch(tmp_path, nix_env, url, sshd.ssh_spec())
     assert (Path(fetched.store_path) / "train.rs").read_text() == "// over ssh\n"
     assert str(sshd.user_key) not in repr(fetched)
+
+
+# -- through the pipeline, and the warm path --------------------------------------------------
+
+
+def _served(root: Path, files: dict[str, str | None]) -> Path:
+    for rel, text in files.items():
+        if text is not None:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+    return root
+
+
+@pytest.mark.nix
+def test_an_rsync_source_re_dial_with_nothing_changed_evaluates_and_builds_nothing(
+    tmp_path, nix_env, test_flake, state_dir, sshd
+):
+    _need_rsync()
+    from test_warm import Counting, attempt
+
+    tree = _served(tmp_path / "run-tree", trainer())
+    spec = PrepareSpec(
+        source=SourceSpec(from_=_rsync_url(sshd, tree)),
+        libtorch="cpu",
+        cpu_only=True,
+        flake=test_flake,
+        state_dir=state_dir,
+        ssh=sshd.ssh_spec(),
+    )
+    nix = Counting(tmp_path)
+    first = attempt(nix, spec)
+    assert first.bin is not None and os.access(first.bin.path, os.X_OK)
+    nix.calls()
+    notes: list[str] = []
+    start = time.monotonic()
+    second = attempt(nix, spec, notes)
+    warm = time.monotonic() - start
+    print(f"rsync:// source, a re-dial with nothing changed: {warm:.2f}s")
+    assert second == first and nix.evaluations() == 0
+    assert any(n.startswith("nothing evaluated:") for n in notes)
+    # A publish on the far side: the next dial builds the new tree.
+    (tree / "README").write_text("a new run\n")
+    third = attempt(nix, spec)
+    assert third.bin != first.bin
