@@ -397,3 +397,32 @@ def test_an_rsync_source_re_dial_with_nothing_changed_evaluates_and_builds_nothi
     (tree / "README").write_text("a new run\n")
     third = attempt(nix, spec)
     assert third.bin != first.bin
+
+
+@pytest.mark.nix
+def test_a_check_of_a_file_source_copies_into_its_scratch_and_changes_nothing_in_the_state_directory(
+    tmp_path, nix_env, test_flake, monkeypatch
+):
+    _need_rsync()
+    from nix_fixtures import build
+    from test_check import _tree as listing
+    from test_check import check
+
+    home = tmp_path / "home"
+    (home / ".flodl" / "data").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    tree = _served(tmp_path / "train", trainer())
+    state = tmp_path / "state"
+    spec = PrepareSpec(
+        source=SourceSpec(from_=f"file://{tree}"), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=str(state)
+    )
+    build(spec, [])
+    before = listing(state)
+    (tree / "README").write_text("changed after the attempt\n")
+    checked = check(spec)
+    assert checked.ready, checked.fail
+    assert checked.steps["source"].verdict == "ok" and f"file://{tree}" in checked.steps["source"].detail
+    # The changed tree was copied (the check would build it), into the
+    # check's own scratch: the attempt's copy is as the attempt left it.
+    assert checked.steps["build"].verdict == "would build"
+    assert listing(state) == before
