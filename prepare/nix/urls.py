@@ -115,15 +115,17 @@ def parse_source(url: str | None) -> SourceRef:
         raise Fail(
             "config.invalid",
             f"source.from = {url!r} is a bare path; Nix would guess whether it is a git checkout (following its "
-            f'current branch) or a plain directory. Write it as a flake URL: "path:{os.path.abspath(url)}", or '
-            f'"git+file://{os.path.abspath(url)}?ref=main" (--source)',
+            f'current branch) or a plain directory. Write it as floDl does: "file://{os.path.abspath(url)}" (the '
+            f'directory, copied), or as a flake URL: "path:{os.path.abspath(url)}", or '
+            f'"git+file://{os.path.abspath(url)}#main" (--source)',
         )
     scheme, sep, rest = url.partition(":")
     if not sep or not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
         raise Fail(
             "config.invalid",
-            f"source.from = {url!r} is not a flake URL (no scheme): use git+https://, git+ssh://, git+file://, "
-            "path: or a tarball https:// URL (--source)",
+            f"source.from = {url!r} names no scheme: use floDl's file:///abs, rsync://[user@]host:/abs or "
+            "git+https://host/repo#<ref>, or a flake URL (path:, git+https://...?ref=, a tarball https:// URL) "
+            "(--source)",
         )
     if scheme == "file":
         return SourceRef(url, "file", path=_file_path(url, rest))
