@@ -198,7 +198,9 @@ REASONS: dict[Reason, Row] = {
     ),
     # the dataset root
     "data.mountpoint-unusable": Row(PERMANENT, "the `data_path` mountpoint is not a directory, or cannot be created"),
-    "data.identity-unreadable": Row(PERMANENT, "the ssh identity file for the mount cannot be read"),
+    "data.identity-unreadable": Row(
+        PERMANENT, "the ssh identity file for the mount (or an `rsync://` source) cannot be read"
+    ),
     "data.identity-unusable": Row(
         PERMANENT,
         "ssh will not use the identity file: others can read it, or it has a passphrase and no agent holds it",

@@ -426,3 +426,24 @@ def test_a_check_of_a_file_source_copies_into_its_scratch_and_changes_nothing_in
     # check's own scratch: the attempt's copy is as the attempt left it.
     assert checked.steps["build"].verdict == "would build"
     assert listing(state) == before
+
+
+def test_an_rsync_source_with_an_identity_file_that_is_not_there_is_permanent_naming_identity_file(tmp_path, sshd):
+    _need_rsync()
+    ref = urls.parse_source(_rsync_url(sshd, tmp_path))
+    ssh = SshSpec(identity_file=str(tmp_path / "no-such-key"), options=sshd.options)
+    with pytest.raises(Fail) as caught:
+        transport.start_pull(ref, str(tmp_path / "dest"), ssh)
+    fail = caught.value
+    assert fail.reason == "data.identity-unreadable" and fail.permanent
+    assert "ssh.identity_file" in fail.message and "source host" in fail.message
+
+
+def test_a_file_source_without_rsync_installed_is_permanent_naming_the_install(tmp_path, monkeypatch):
+    tree = _tree(tmp_path / "train")
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    with pytest.raises(Fail) as caught:
+        transport.start_pull(urls.parse_source(f"file://{tree}"), str(tmp_path / "dest"), None)
+    fail = caught.value
+    assert fail.reason == "source.rsync-missing" and fail.permanent
+    assert "apt-get install rsync" in fail.message

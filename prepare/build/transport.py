@@ -165,7 +165,7 @@ def start_pull(ref: SourceRef, dest: str, ssh: SshSpec | None) -> proc.Running:
                 f"looks again. Place or mount the tree there, or fix source.from in [join.source] (--source)",
             )
     if ref.kind == "rsync":
-        mount._check_identity(ssh)
+        mount._check_identity(ssh, who="source host")
     argv = rsync_argv(ref, dest, ssh)
     try:
         return proc.start(argv, timeout=PULL_TIMEOUT_S, cwd="/")
