@@ -345,14 +345,24 @@ def test_a_git_ssh_source_reaches_the_host_with_the_ssh_block(tmp_path, nix_env,
     (repo / "train.rs").write_text("// over ssh\n")
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "one")
-    _git(repo, "tag", "v1")
+    _git(repo, "tag", "-a", "v1", "-m", "annotated")
+    _git(repo, "checkout", "-q", "-b", "side")
+    (repo / "train.rs").write_text("// on a side branch\n")
+    _git(repo, "commit", "-q", "-am", "side")
+    side = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "checkout", "-q", "main")
     bare = tmp_path / "repo.git"
     subprocess.run(["git", "clone", "-q", "--bare", str(repo), str(bare)], check=True, timeout=60)
-    url = f"git+ssh://{sshd.user}@{sshd.host}:{sshd.port}{bare}#v1"
+    remote = f"git+ssh://{sshd.user}@{sshd.host}:{sshd.port}{bare}"
     nix_env = {k: v for k, v in nix_env.items() if k != "GIT_SSH_COMMAND"}
-    fetched = _fetch(tmp_path, nix_env, url, sshd.ssh_spec())
+    fetched = _fetch(tmp_path, nix_env, f"{remote}#v1", sshd.ssh_spec())
     assert (Path(fetched.store_path) / "train.rs").read_text() == "// over ssh\n"
     assert str(sshd.user_key) not in repr(fetched)
+    # A branch over the wire (Nix's own ?ref= would take it for a branch
+    # too, but not the tag above), and a commit on no default branch.
+    for ref in ("side", side):
+        fetched = _fetch(tmp_path, nix_env, f"{remote}#{ref}", sshd.ssh_spec())
+        assert (Path(fetched.store_path) / "train.rs").read_text() == "// on a side branch\n", ref
 
 
 # -- through the pipeline, and the warm path --------------------------------------------------
@@ -447,3 +457,19 @@ def test_a_file_source_without_rsync_installed_is_permanent_naming_the_install(t
     fail = caught.value
     assert fail.reason == "source.rsync-missing" and fail.permanent
     assert "apt-get install rsync" in fail.message
+
+
+def test_a_git_ssh_ref_whose_host_key_ssh_does_not_know_is_permanent_before_nix_runs(tmp_path, nix_env, sshd):
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    ssh = SshSpec(
+        identity_file=str(sshd.user_key),
+        options=(f"UserKnownHostsFile={empty}", "GlobalKnownHostsFile=/dev/null", "StrictHostKeyChecking=yes"),
+    )
+    with pytest.raises(Fail) as caught:
+        _fetch(tmp_path, nix_env, f"git+ssh://{sshd.user}@{sshd.host}:{sshd.port}/srv/none.git#v1", ssh)
+    fail = caught.value
+    assert fail.reason == "nix.host-key" and fail.permanent
+    assert "git ls-remote" in fail.message and f"ssh-keyscan -p {sshd.port} 127.0.0.1" in fail.message

@@ -35,6 +35,7 @@ import re
 import shlex
 import stat
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from prepare.data import mount, url
 from prepare.fail import Fail
@@ -288,11 +289,15 @@ def finish_resolve(running: proc.Running, ref: SourceRef) -> str:
         ) from None
     if not done.ok:
         if mount._HOST_KEY.search(done.stderr):
-            host = re.sub(r"^.*?://(?:[^@/]*@)?([^:/]+).*$", r"\1", ref.git_url or "")
+            parts = urlsplit(ref.git_url or "")
+            try:
+                host, port = parts.hostname or "", parts.port
+            except ValueError:
+                host, port = parts.hostname or "", None
             raise Fail(
                 "nix.host-key",
                 f"{where}: the git host has a host key ssh does not know, or one other than known_hosts holds "
-                f"(Host key verification failed). No retry changes known_hosts: {mount.host_key_fix(host, None)}",
+                f"(Host key verification failed). No retry changes known_hosts: {mount.host_key_fix(host, port)}",
             )
         raise Fail(
             "source.unreachable",
