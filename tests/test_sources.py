@@ -140,7 +140,7 @@ def test_ssh_options_with_spaces_and_quotes_reach_ssh_whole_through_rsyncs_e(tmp
     assert done.returncode != 0  # 255 or 12, as the fake ssh's exit races rsync's read
     argv = said.read_text().splitlines()
     assert "ProxyCommand=ssh -W %h:%p bastion" in argv and "SetEnv=A=it's" in argv
-    assert "IdentityFile=/k/id ed" in argv and argv[argv.index("-p") + 1] == "2222"
+    assert 'IdentityFile="/k/id ed"' in argv  # ssh's parser reads the quotes and argv[argv.index("-p") + 1] == "2222"
     assert "BatchMode=yes" in argv
     # The host is one word after -l user, never an option.
     assert argv[argv.index("-l") + 1 : argv.index("-l") + 3] == ["u", "h"]
@@ -473,3 +473,15 @@ def test_a_git_ssh_ref_whose_host_key_ssh_does_not_know_is_permanent_before_nix_
     fail = caught.value
     assert fail.reason == "nix.host-key" and fail.permanent
     assert "git ls-remote" in fail.message and f"ssh-keyscan -p {sshd.port} 127.0.0.1" in fail.message
+
+
+def test_an_identity_file_whose_path_has_a_space_reaches_ssh_under_rsync(tmp_path, nix_env, sshd):
+    _need_rsync()
+    keys = tmp_path / "key dir"
+    keys.mkdir()
+    key = keys / "id ed25519"
+    shutil.copy(sshd.user_key, key)
+    key.chmod(0o600)
+    tree = _tree(tmp_path / "served")
+    fetched = _fetch(tmp_path, nix_env, _rsync_url(sshd, tree), SshSpec(identity_file=str(key), options=sshd.options))
+    assert (Path(fetched.store_path) / "src/main.rs").is_file()

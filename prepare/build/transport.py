@@ -110,7 +110,9 @@ def rsh_words(ssh: SshSpec | None, port: int | None) -> list[str]:
     given, _ = url.ssh_options(ssh)
     words = ["ssh"]
     for option in given:
-        words += ["-o", option.replace('"', "")] if option.startswith("IdentityFile=") else ["-o", option]
+        # As ssh_options gives them: an IdentityFile with a space in double
+        # quotes, which ssh's own option parser reads (rsh keeps them).
+        words += ["-o", option]
     if port is not None:
         words += ["-p", str(port)]
     words += ["-o", "BatchMode=yes", "-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}"]
@@ -254,7 +256,7 @@ def git_env(ref: SourceRef, ssh: SshSpec | None, env: Mapping[str, str] | None) 
     if not given and "GIT_SSH_COMMAND" in base:
         return base
     words = rsh_words(ssh, None)
-    base["GIT_SSH_COMMAND"] = shlex.join(w.replace('"', "") for w in words)
+    base["GIT_SSH_COMMAND"] = shlex.join(words)
     return base
 
 
