@@ -485,3 +485,25 @@ def test_an_identity_file_whose_path_has_a_space_reaches_ssh_under_rsync(tmp_pat
     tree = _tree(tmp_path / "served")
     fetched = _fetch(tmp_path, nix_env, _rsync_url(sshd, tree), SshSpec(identity_file=str(key), options=sshd.options))
     assert (Path(fetched.store_path) / "src/main.rs").is_file()
+
+
+@pytest.mark.nix
+def test_a_re_dial_of_a_file_source_gone_from_the_box_is_transient_at_the_fetch_step(
+    tmp_path, nix_env, test_flake, state_dir
+):
+    _need_rsync()
+    from nix_fixtures import build
+
+    tree = _served(tmp_path / "train", trainer())
+    spec = PrepareSpec(
+        source=SourceSpec(from_=f"file://{tree}"), libtorch="cpu", cpu_only=True, flake=test_flake, state_dir=state_dir
+    )
+    build(spec, [])
+    shutil.rmtree(tree)
+    events: list[dict] = []
+    with pytest.raises(Fail) as caught:
+        build(spec, [], progress=events.append)
+    fail = caught.value
+    assert fail.reason == "source.missing" and not fail.permanent
+    # Started beside the flake's resolution (step 5), failed as step 6's.
+    assert any(e["type"] == "step" and e["name"] == "fetch" for e in events)

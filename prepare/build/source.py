@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 from prepare.build import manifest, transport
+from prepare.fail import Fail
 from prepare.nix import urls
 from prepare.nix.runner import PendingFetch, Prefetched
 
@@ -41,7 +43,20 @@ def start_fetch(ws: Workspace, url: str) -> PendingFetch:
     named by `url` as the box spells it (the warm path's record compares
     that). floDl's spellings take a step first (prepare.build.transport):
     the copy of a `file://` or `rsync://` tree, which Nix then fetches as
-    a `path:`, or the commit of a `git+...#<ref>`."""
+    a `path:`, or the commit of a `git+...#<ref>`. A failure to start is
+    the fetch's, raised by `result` (step 6), not by whoever started it
+    early (prepare.build.warm)."""
+    try:
+        return _start_fetch(ws, url)
+    except Fail as fail:
+        return PendingFetch(partial(_raise, fail), lambda: None)
+
+
+def _raise(fail: Fail) -> Prefetched:
+    raise fail
+
+
+def _start_fetch(ws: Workspace, url: str) -> PendingFetch:
     ref = urls.parse_source(url)
     doing = f"fetching the training source {url!r} (source.from, --source)"
     env = transport.git_env(ref, ws.ssh, ws.nix.env)
