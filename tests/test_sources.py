@@ -507,3 +507,15 @@ def test_a_re_dial_of_a_file_source_gone_from_the_box_is_transient_at_the_fetch_
     assert fail.reason == "source.missing" and not fail.permanent
     # Started beside the flake's resolution (step 5), failed as step 6's.
     assert any(e["type"] == "step" and e["name"] == "fetch" for e in events)
+
+
+def test_a_link_planted_as_the_copys_directory_is_refused_not_followed(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, state / "sources")
+    with pytest.raises(Fail) as caught:
+        transport.tree_dir(str(state), None, urls.parse_source("file:///srv/train"))
+    assert caught.value.reason == "state.untrusted" and caught.value.permanent
+    assert os.listdir(elsewhere) == []

@@ -73,19 +73,17 @@ def tree_dir(state_dir: str, scratch: str | None, ref: SourceRef) -> str:
     """The directory the copy of `ref` lives in, made (root's alone):
     `<state>/sources/<digest>` on an attempt, the check's scratch otherwise.
     A link or another user's directory there is refused, never followed."""
-    if scratch is not None:
-        parent = scratch
-    else:
-        parent = os.path.join(state_dir, SOURCES)
-        _own_dir(parent, "state directory's copies of training sources")
+    parent = scratch if scratch is not None else os.path.join(state_dir, SOURCES)
     leaf = os.path.join(parent, hashlib.sha256(ref.spelled.encode()).hexdigest()[:16])
-    _own_dir(leaf, f"copy of the training source {ref.spelled!r}")
     if not _PLAIN_PATH.fullmatch(leaf):
         raise Fail(
             "config.invalid",
             f"the copy of the training source would live at {leaf!r}, which a `path:` URL cannot name as it is "
             "(spaces, quotes, %): set state_dir (--state-dir) to a plain path, e.g. /var/lib/fdl-prepare",
         )
+    if scratch is None:
+        _own_dir(parent, "state directory's copies of training sources")
+    _own_dir(leaf, f"copy of the training source {ref.spelled!r}")
     return leaf
 
 
