@@ -519,3 +519,22 @@ def test_a_link_planted_as_the_copys_directory_is_refused_not_followed(tmp_path)
         transport.tree_dir(str(state), None, urls.parse_source("file:///srv/train"))
     assert caught.value.reason == "state.untrusted" and caught.value.permanent
     assert os.listdir(elsewhere) == []
+
+
+def test_an_rsync_source_whose_host_accepts_but_never_answers_is_transient(tmp_path, nix_env, make_sshd, monkeypatch):
+    _need_rsync()
+    import signal
+
+    server = make_sshd()
+    # ssh's bound on the banner exchange, shortened so the test is quick.
+    monkeypatch.setattr(transport, "CONNECT_TIMEOUT_S", 2)
+    assert server.process is not None
+    os.kill(server.process.pid, signal.SIGSTOP)  # the kernel still accepts; nobody answers
+    server.frozen.append(server.process.pid)
+    started = time.monotonic()
+    with pytest.raises(Fail) as caught:
+        _fetch(tmp_path, nix_env, _rsync_url(server, _tree(tmp_path / "served")), server.ssh_spec())
+    server.thaw()
+    fail = caught.value
+    assert fail.reason == "source.unreachable" and not fail.permanent
+    assert "banner exchange" in fail.message and time.monotonic() - started < 30
