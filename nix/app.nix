@@ -14,6 +14,7 @@
   fuse3,
   openssh,
   git,
+  rsync,
   src,
   flakeRef,
   rev ? "unknown",
@@ -58,7 +59,7 @@ python3Packages.buildPythonApplication {
   # nix and the fuse helpers go last on PATH: a host's own nix matches its
   # daemon, and on NixOS the setuid fusermount wrappers in /run/wrappers/bin
   # must win over the plain binaries, or an unprivileged unmount fails.
-  # sshfs, ssh and git come first, so mounts and fetches behave the same on
+  # sshfs, ssh, git and rsync come first, so mounts and fetches behave the same on
   # every box whatever the distribution ships.
   makeWrapperArgs = [
     "--prefix"
@@ -68,6 +69,7 @@ python3Packages.buildPythonApplication {
       sshfs
       openssh
       git
+      rsync
     ])
     "--suffix"
     "PATH"

@@ -193,8 +193,11 @@ let
     '';
     "source.from" = {
       description = ''
-        The training source as a flake URL. A git source needs a `ref` or
-        `rev`: a floating default branch is not a pin.
+        The training source: floDl's `file:///abs/path` (a directory on the
+        box) or `rsync://[user@]host[:port]:/abs/path` (pulled over ssh with
+        the ssh block), both copied with rsync into the state directory;
+        floDl's `git+https|ssh|file://...#<tag|branch|sha>`; or a flake URL. A
+        git source needs a ref: a floating default branch is not a pin.
       '';
       example = "git+https://git.example/train.git?ref=main";
     };

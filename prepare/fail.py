@@ -88,6 +88,9 @@ Reason = Literal[
     "source.not-published",
     "source.manifest-invalid",
     "source.cwd-escapes",
+    "source.missing",
+    "source.host-key",
+    "source.rsync-missing",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
     "flake.contract-broken",
@@ -195,7 +198,9 @@ REASONS: dict[Reason, Row] = {
     ),
     # the dataset root
     "data.mountpoint-unusable": Row(PERMANENT, "the `data_path` mountpoint is not a directory, or cannot be created"),
-    "data.identity-unreadable": Row(PERMANENT, "the ssh identity file for the mount cannot be read"),
+    "data.identity-unreadable": Row(
+        PERMANENT, "the ssh identity file for the mount (or an `rsync://` source) cannot be read"
+    ),
     "data.identity-unusable": Row(
         PERMANENT,
         "ssh will not use the identity file: others can read it, or it has a passphrase and no agent holds it",
@@ -262,6 +267,14 @@ REASONS: dict[Reason, Row] = {
         TRANSIENT, "the run manifest `.fdl-run.toml` cannot be read or has a bad value: the next publish fixes it"
     ),
     "source.cwd-escapes": Row(PERMANENT, "the recipe's `cwd` leads out of the fetched source tree through a symlink"),
+    "source.missing": Row(
+        TRANSIENT,
+        "a `file://` or `rsync://` source's directory is not there (yet): a mount coming up, a tree not yet published",
+    ),
+    "source.host-key": Row(
+        PERMANENT, "an `rsync://` source's host has a host key ssh does not know or one other than known_hosts holds"
+    ),
+    "source.rsync-missing": Row(PERMANENT, "a `file://` or `rsync://` source needs rsync, which is not installed"),
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch": Row(PERMANENT, "the flake speaks another contract version than this fdl-prepare"),
     "flake.contract-broken": Row(

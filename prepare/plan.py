@@ -118,6 +118,7 @@ def _build(spec: PrepareSpec, env: Mapping[str, str]) -> BuildPlan:
         nix=spec.nix,
         build_timeout_s=spec.build_timeout_s,
         refresh=spec.refresh,
+        ssh=spec.ssh,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prepare.spec import NixSpec, SourceSpec
+from prepare.spec import NixSpec, SourceSpec, SshSpec
 
 
 @dataclass(frozen=True)
@@ -27,3 +27,5 @@ class BuildPlan:
     nix: NixSpec = field(default_factory=NixSpec)
     build_timeout_s: float | None = None
     refresh: bool = False
+    # The ssh block: how an rsync:// or git+ssh source is reached.
+    ssh: SshSpec | None = None

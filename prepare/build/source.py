@@ -16,10 +16,13 @@ the recipe's `cwd` must be a directory of that tree.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
-from prepare.build import manifest
+from prepare.build import manifest, transport
+from prepare.fail import Fail
+from prepare.nix import urls
 from prepare.nix.runner import PendingFetch, Prefetched
 
 if TYPE_CHECKING:
@@ -36,10 +39,47 @@ class Source:
 
 
 def start_fetch(ws: Workspace, url: str) -> PendingFetch:
-    """The training source's fetch, started: its `result` is step 6's."""
-    return ws.nix.start_prefetch(
-        url, doing=f"fetching the training source {url!r} (source.from, --source)", unreachable="source.unreachable"
-    )
+    """The training source's fetch, started: its `result` is step 6's,
+    named by `url` as the box spells it (the warm path's record compares
+    that). floDl's spellings take a step first (prepare.build.transport):
+    the copy of a `file://` or `rsync://` tree, which Nix then fetches as
+    a `path:`, or the commit of a `git+...#<ref>`. A failure to start is
+    the fetch's, raised by `result` (step 6), not by whoever started it
+    early (prepare.build.warm)."""
+    try:
+        return _start_fetch(ws, url)
+    except Fail as fail:
+        return PendingFetch(partial(_raise, fail), lambda: None)
+
+
+def _raise(fail: Fail) -> Prefetched:
+    raise fail
+
+
+def _start_fetch(ws: Workspace, url: str) -> PendingFetch:
+    ref = urls.parse_source(url)
+    doing = f"fetching the training source {url!r} (source.from, --source)"
+    env = transport.git_env(ref, ws.ssh, ws.nix.env)
+
+    def prefetch(nix_url: str) -> Prefetched:
+        pending = ws.nix.start_prefetch(nix_url, doing=doing, unreachable="source.unreachable", env=env)
+        return replace(pending.result(), url=url)
+
+    if ref.copied:
+        dest = transport.tree_dir(ws.state, ws.scratch, ref)
+        pull = transport.start_pull(ref, dest, ws.ssh)
+
+        def copied() -> Prefetched:
+            transport.finish_pull(pull, ref, dest, ws.ssh)
+            return prefetch(f"path:{dest}")
+
+        return PendingFetch(copied, pull.stop)
+    if ref.kind == "git-ref":
+        asking = transport.start_resolve(ref, ws.ssh, env or ws.nix.env)
+        return PendingFetch(lambda: prefetch(transport.finish_resolve(asking, ref)), asking.stop)
+    assert ref.nix_url is not None
+    started = ws.nix.start_prefetch(ref.nix_url, doing=doing, unreachable="source.unreachable", env=env)
+    return PendingFetch(lambda: replace(started.result(), url=url), started.stop)
 
 
 def fetch(ws: Workspace, box: SourceSpec, started: PendingFetch | None, notes: list[str]) -> Source:

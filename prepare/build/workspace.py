@@ -31,7 +31,7 @@ from prepare.fail import Fail
 from prepare.host import dirs, human, locks, state
 from prepare.nix import runner
 from prepare.nix.diagnosis import BuildDir
-from prepare.spec import Event, Progress
+from prepare.spec import Event, Progress, SshSpec
 
 # How long a prepare waits for another one holding <state>/lock. Waiting is
 # normal: a restart racing a manual run builds the same thing, and once the
@@ -88,6 +88,8 @@ class Workspace:
     # Nix keeps the empty registry and the dry run its recipe, so that
     # nothing is written under `state`. None on an attempt.
     scratch: str | None = None
+    # The ssh block, for a source fetched over ssh (prepare.build.transport).
+    ssh: SshSpec | None = None
 
 
 def open(
@@ -121,7 +123,7 @@ def open(
     # Under the lock: the directory a killed attempt left is this state
     # directory's to remove, and no other attempt is using it.
     held.enter_context(_nix_tmp(where, nix))
-    return Workspace(state=where, nix=nix, step=step, system=runner.system())
+    return Workspace(state=where, nix=nix, step=step, system=runner.system(), ssh=plan.ssh)
 
 
 def inspect(
@@ -155,7 +157,7 @@ def inspect(
     nix = _nix(plan, scratch, nix_program, env, progress)
     step = Phases(progress)
     held.callback(step.end)
-    return Workspace(state=where, nix=nix, step=step, system=runner.system(), scratch=scratch), exists
+    return Workspace(state=where, nix=nix, step=step, system=runner.system(), scratch=scratch, ssh=plan.ssh), exists
 
 
 def _build_tmpdir(env: Mapping[str, str] | None, notes: list[str], who: str) -> str | None:

@@ -277,7 +277,7 @@ FIELDS: tuple[Field, ...] = (
         kind=URL,
         metavar="URL",
         nix="nullOr str",
-        help="Training source as a flake URL (git+https://...?ref=..., path:...).",
+        help="Training source: floDl's file:///abs, rsync://[user@]host:/abs or git+...#<ref>, or a flake URL.",
     ),
     Field(
         key="source.cwd",

@@ -235,7 +235,7 @@ def _uncreatable(mountpoint: str, err: OSError) -> Fail:
     )
 
 
-def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None) -> None:
+def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None, *, who: str = "data host") -> None:
     """ssh skips an IdentityFile it cannot load and carries on with the
     keys it has left, so a mistyped key path only ever surfaces as the far
     side refusing us: a transient failure, retried forever. Open it here,
@@ -247,9 +247,7 @@ def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None) -
     if "%" in key or "${" in key:
         return
     path = os.path.expanduser(key)
-    fix = (
-        "set `ssh.identity_file` (flag --identity-file) to the private key the data host accepts, readable by this user"
-    )
+    fix = f"set `ssh.identity_file` (flag --identity-file) to the private key the {who} accepts, readable by this user"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as err:
@@ -265,14 +263,14 @@ def _check_identity(ssh: SshSpec | None, env: Mapping[str, str] | None = None) -
         ) from None
     finally:
         os.close(fd)
-    _check_key(key, st, text, env or os.environ)
+    _check_key(key, st, text, env or os.environ, who)
 
 
 # A private key file is a few KiB at most.
 _KEY_BYTES = 1 << 16
 
 
-def _check_key(key: str, st: os.stat_result, text: bytes, env: Mapping[str, str]) -> None:
+def _check_key(key: str, st: os.stat_result, text: bytes, env: Mapping[str, str], who: str = "data host") -> None:
     """What ssh would refuse about the key itself, said before the mount
     tries: sshfs backgrounds ssh with its stderr on /dev/null, so the far
     side's "Permission denied" would be all that shows, and that reads as
@@ -285,7 +283,7 @@ def _check_key(key: str, st: os.stat_result, text: bytes, env: Mapping[str, str]
             f"the ssh identity file {key} has mode {stat.S_IMODE(st.st_mode):04o}: ssh refuses a private key "
             f"that others can read (\"Permissions {stat.S_IMODE(st.st_mode):04o} for '{key}' are too open\") and "
             f"does not use it. `chmod 600 {key}`; set `ssh.identity_file` (flag --identity-file) to the key the "
-            "data host accepts",
+            f"{who} accepts",
         )
     if _encrypted(text) and not env.get("SSH_AUTH_SOCK"):
         raise Fail(

@@ -49,6 +49,7 @@ ENTRIES = {
     "flake-registry.json": False,
     "nix-version.json": False,
     "nix-tmp": False,
+    "sources": True,
 }
 # Entries ours that are not vetted as ENTRIES are: a publish's own state
 # directory (`<state>/publish`, vetted when a publish uses it).
@@ -83,6 +84,7 @@ ENTRY_NAMES = {
     "flake-registry.json": "empty flake registry",
     "nix-version.json": "cached Nix version",
     "nix-tmp": "record of Nix's build directories",
+    "sources": "copies of training sources",
 }
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

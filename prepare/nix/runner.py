@@ -224,9 +224,11 @@ class Nix:
     def _run(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Completed:
         return self._start(argv, timeout, log).wait()
 
-    def _start(self, argv: Sequence[str], timeout: float | None, log: Log) -> proc.Running:
+    def _start(
+        self, argv: Sequence[str], timeout: float | None, log: Log, env: Mapping[str, str] | None = None
+    ) -> proc.Running:
         try:
-            return proc.start(argv, timeout=timeout, env=self.env, on_stderr_line=log.feed)
+            return proc.start(argv, timeout=timeout, env=env or self.env, on_stderr_line=log.feed)
         except proc.ExecFailed as failed:
             raise self._not_started(argv, failed) from None
 
@@ -402,9 +404,12 @@ class Nix:
         timeout: float = FETCH_TIMEOUT_S,
         doing: str | None = None,
         unreachable: Reason = "nix.fetch",
+        env: Mapping[str, str] | None = None,
     ) -> PendingFetch:
         """`prefetch`, started: its `result` (or `stop`) is the caller's to
-        call, while it does something else meanwhile."""
+        call, while it does something else meanwhile. `env`: the whole
+        environment of this one call (a git+ssh source's GIT_SSH_COMMAND:
+        git runs in nix's own process, not the daemon's)."""
         self._ensure_registry()
         # tarball-ttl 0: a remote git ref (or tarball URL) is otherwise
         # resolved from Nix's cache for an hour, and a re-dial right after a
@@ -412,7 +417,7 @@ class Nix:
         argv = self._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", url]
         doing = doing or f"fetching {url}"
         log = Log(self.on_event)
-        running = self._start(argv, timeout, log)
+        running = self._start(argv, timeout, log, env)
 
         def finish() -> Prefetched:
             outcome = self._finish(running, log, doing, FETCH, unreachable=unreachable)
