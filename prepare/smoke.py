@@ -94,6 +94,14 @@ def run(
             "again (or [join.source] smoke, --smoke, on the box)",
         ) from None
     except proc.ConfinementFailed as failed:
+        if failed.step == "terminal":
+            raise Fail(
+                "smoke.confinement",
+                f"smoke run {shown}: not started, since it could have reached a terminal (a controlling one, or one "
+                "on its stdin, stdout or stderr); the training source's code never gets the operator's terminal, "
+                "through which it could type into the shell that started fdl-prepare. This is a defect of the "
+                "caller that started the run without a session of its own: report it",
+            ) from None
         raise Fail(
             "smoke.confinement",
             f"smoke run {shown}: could not drop to {confinement.user} ({failed.step.replace('_', ' ')} failed: "

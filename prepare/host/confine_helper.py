@@ -39,6 +39,8 @@ _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _CAPABILITY_VERSION_3 = 0x20080522
+# linux/close_range.h
+_CLOSE_RANGE_CLOEXEC = 1 << 2
 
 # Signals that ask the helper to stop the run (a timeout, an interrupt).
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -108,6 +110,9 @@ def _become(cfg: Settings, args: list[str], life: int, err: int) -> NoReturn:
     libc = _libc()
     step = "signals"
     try:
+        step = "terminal"
+        _no_terminal(libc)
+        step = "signals"
         for signum in (*_STOPPING, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
@@ -144,6 +149,31 @@ def _become(cfg: Settings, args: list[str], life: int, err: int) -> NoReturn:
     except BaseException:  # noqa: BLE001 (nothing may run after a failed step)
         _say(err, f"setup {step.replace(' ', '_')} 0")
     os._exit(127)
+
+
+def _no_terminal(libc: Any) -> None:
+    """Make sure the run can reach no terminal: prepare.host.proc starts the
+    helper in a session of its own (no controlling terminal, so /dev/tty
+    cannot be opened) with pipes and /dev/null on 0-2. Checked here, for
+    any other caller: a terminal on a descriptor, or a controlling one, is a
+    step that failed, and the run does not start. Every other descriptor is
+    closed at exec, whoever opened it."""
+    for fd in (0, 1, 2):
+        if os.isatty(fd):
+            raise OSError(0, f"descriptor {fd} is a terminal")
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        pass
+    else:
+        os.close(tty)
+        raise OSError(0, "it has a controlling terminal")
+    if libc.close_range(3, 0xFFFFFFFF, _CLOSE_RANGE_CLOEXEC) != 0:
+        # Before Linux 5.11: one at a time.
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if int(name) > 2:
+                    os.set_inheritable(int(name), False)
 
 
 def _children(me: int) -> list[int]:
