@@ -78,6 +78,7 @@ Reason = Literal[
     "nix.no-space",
     "nix.build-users-missing",
     "nix.build-dir",
+    "nix.builds-as-root",
     "nix.daemon-unreachable",
     "nix.daemon-refused",
     "nix.store-not-writable",
@@ -245,7 +246,14 @@ REASONS: dict[Reason, Row] = {
     "nix.build-users-missing": Row(
         PERMANENT, "Nix's build users group does not exist (Debian's `nix-bin` without `nix-setup-systemd`)"
     ),
-    "nix.build-dir": Row(PERMANENT, "Nix's build users cannot enter the directory builds run in, or Nix refuses it"),
+    "nix.build-dir": Row(
+        PERMANENT,
+        "Nix's build users cannot enter the directory builds run in, Nix refuses it, or every place for it has a "
+        "directory above it that others can write",
+    ),
+    "nix.builds-as-root": Row(
+        PERMANENT, "Nix would run the training build as root (fdl-prepare is root and `build-users-group` is empty)"
+    ),
     "nix.daemon-unreachable": Row(TRANSIENT, "the Nix daemon's socket is missing or not answering"),
     "nix.daemon-refused": Row(PERMANENT, "the Nix daemon refuses this user"),
     "nix.store-not-writable": Row(PERMANENT, "this user cannot write the Nix store"),
