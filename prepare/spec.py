@@ -131,8 +131,9 @@ class PrepareSpec:
     # The smoke run is stopped after this many seconds (transient).
     smoke_timeout_s: float = 60.0
     # Who the smoke run runs as when fdl-prepare is root (prepare.host.confine):
-    # never root, the training source's code is not the operator's.
-    smoke_user: str = "nobody"
+    # never root, the training source's code is not the operator's;
+    # "dynamic", a uid of the run's own.
+    smoke_user: str = "dynamic"
     # Ignore what earlier attempts settled (<state>/warm.json): evaluate the
     # flake and build as on a first attempt, then record afresh.
     refresh: bool = False

@@ -11,6 +11,7 @@ The steps run this way need nothing outside the standard library.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -64,3 +65,17 @@ def run_as(uid: int, code: str, env: dict[str, str] | None = None) -> subprocess
         env={**base, **(env or {})}, user=uid, group=uid, extra_groups=[], cwd="/",
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
+
+
+def reachable_dir(prefix: str) -> Path:
+    """A new directory (0755) every user can reach, outside /tmp, /var/tmp
+    and /dev/shm: the smoke run, run as root, gets fresh ones of its own
+    there (prepare/host/confine_helper.py), so a binary or an outbox of a
+    test's under them would be out of its sight. Skips where root may
+    write none of /var/lib, /var/cache, /run."""
+    for base in ("/var/lib", "/var/cache", "/run"):
+        if os.path.isdir(base) and os.access(base, os.W_OK) and os.stat(base).st_mode & 0o001:
+            made = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+            made.chmod(0o755)
+            return made
+    pytest.skip("no directory outside /tmp that root may write and every user may reach (/var/lib, /var/cache, /run)")

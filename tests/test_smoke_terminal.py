@@ -23,12 +23,12 @@ import re
 import select
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from other_user import reachable_dir
 
 REPO = Path(__file__).resolve().parent.parent
 MARK = "FDL-PWNED-7731"
@@ -114,8 +114,8 @@ def probe() -> Iterator[Path]:
     gcc = shutil.which("gcc")
     if gcc is None:
         pytest.skip("gcc is not installed (scripts/setup installs it)")
-    where = Path(tempfile.mkdtemp(prefix="fdl-smoke-tty-", dir="/tmp"))
-    where.chmod(0o755)
+    # Outside /tmp, which the run gets fresh.
+    where = reachable_dir("fdl-smoke-tty-")
     source = where / "probe.c"
     source.write_text(PROBE_C % {"mark": MARK})
     import subprocess

@@ -110,25 +110,22 @@ def check(plan: DataPlan, notes: list[str]) -> tuple[str | None, str, str]:
 # -- one mounter at a time ---------------------------------------------------
 
 
-# Where root keeps its mount locks: a directory only root can create in or
-# open anything of, on /run (a tmpfs: no lock outlives a boot).
-ROOT_LOCK_DIR = "/run/fdl-prepare/locks"
-
-
 def _lock_dir() -> str:
     """The directory of the mount locks: one no one else can create in or
     open a lock of. A lock another user can open is a lock they can hold
     (a shared flock is enough), and every attempt would then wait its bound
     and fail `lock.busy`, blaming another fdl-prepare: so not /run/lock,
-    which every user can write. Root's is ROOT_LOCK_DIR; another user's is
+    which every user can write. Root's is `locks.ROOT_DIR`; another user's is
     its runtime directory, else one of its own under the temporary
     directory. Made 0700 when missing; `locks.private_dir` holds it to
     that. Root and a service user no longer share one: each serialises its
     own mounts (two users cannot mount at one data_path anyway)."""
     import tempfile
 
+    from prepare.host import locks
+
     if os.geteuid() == 0:
-        return ROOT_LOCK_DIR
+        return locks.ROOT_DIR
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime):
         return os.path.join(runtime, "fdl-prepare")

@@ -31,6 +31,12 @@ _FIRST_PAUSE_S = 0.05
 _LAST_PAUSE_S = 1.0
 
 
+# Where root keeps its locks (the mount locks, the smoke run's uids): a
+# directory only root can create in or open anything of, on /run (a tmpfs:
+# no lock outlives a boot).
+ROOT_DIR = "/run/fdl-prepare/locks"
+
+
 class NotPrivate(OSError):
     """A lock directory that someone else could create in or open locks of."""
 

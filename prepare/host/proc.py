@@ -34,7 +34,7 @@ class Completed:
     # (`max_stdout`, STDERR_BYTES): the start is what goes.
     stdout_cut: int = 0
     stderr_cut: int = 0
-    # How a confined run was contained: "pidns" or "reaper" (prepare.host.confine).
+    # How a confined run was contained: "private", "pidns" or "reaper" (prepare.host.confine).
     confined: str | None = None
 
     @property
