@@ -195,3 +195,78 @@ def test_the_smoke_run_has_no_controlling_terminal_and_no_terminal_on_any_descri
     assert found is not None, said
     assert bytes.fromhex(found.group(1)) == b"", found.group(1)
     assert MARK not in said, said
+
+
+@pytest.mark.nix
+@pytest.mark.skipif(os.geteuid() != 0, reason="fdl-prepare runs as root; the run drops to smoke_user")
+def test_an_attempt_started_from_a_terminal_gives_its_smoke_run_none_of_it(
+    probe, nix_env, test_flake, git_source, state_dir
+):
+    # The whole CLI, its controlling terminal a real pty, builds a training
+    # source whose binary is the probe (compiled static, committed as a
+    # file, copied by the build line) and runs it as its smoke run. The
+    # pty's slave side is kept here: anything pushed into its input is
+    # read back after the attempt, as the shell that started it would.
+    import fcntl
+    import subprocess
+    import termios
+
+    from nix_fixtures import _git, manifest_text
+
+    static = probe / "probe-static"
+    subprocess.run(
+        [shutil.which("gcc") or "gcc", "-O1", "-static", "-o", str(static), str(probe / "probe.c")], check=True
+    )
+    src = git_source(
+        {
+            ".fdl-run.toml": manifest_text(bin="train", build="cp probe train && chmod +x train"),
+            "README": f"probe source {os.getpid()}.{time.time_ns()}\n",
+        }
+    )
+    (Path(src.path) / "probe").write_bytes(static.read_bytes())
+    _git(Path(src.path), "add", "probe")
+    _git(Path(src.path), "commit", "-qm", "the probe, as the training binary")
+    report = probe / "out" / "attempt"
+    master, slave = os.openpty()
+    attrs = termios.tcgetattr(slave)
+    attrs[3] &= ~(termios.ICANON | termios.ECHO)
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+
+    def own_terminal() -> None:
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake]
+    argv += ["--source", src.url, "--state-dir", state_dir, "--smoke", str(report)]
+    child = subprocess.Popen(
+        argv, stdin=slave, stdout=slave, stderr=slave, cwd=str(REPO), preexec_fn=own_terminal, env=nix_env
+    )
+    output = b""
+    try:
+        deadline = time.monotonic() + 600
+        while child.poll() is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                output += os.read(master, 65536)
+        while select.select([master], [], [], 0.2)[0]:
+            output += os.read(master, 65536)
+        os.set_blocking(slave, False)
+        try:
+            pushed = os.read(slave, 4096)
+        except BlockingIOError:
+            pushed = b""
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        os.close(master)
+        os.close(slave)
+    said = output.decode("utf-8", "replace")
+    print(said)
+    assert child.returncode == 0, said[-3000:]
+    assert "smoke run" in said and "passed" in said, said[-3000:]
+    seen = _report(report)
+    print(seen)
+    assert seen["tty_open"] == str(errno.ENXIO), seen
+    assert all(seen[f"isatty{fd}"] == "0" and seen[f"tiocsti{fd}"] == str(errno.ENOTTY) for fd in (0, 1, 2)), seen
+    assert pushed == b"", pushed
+    assert MARK not in said
