@@ -186,29 +186,35 @@ def build_root(env: Mapping[str, str] | None, notes: list[str], who: str, *, mak
             os.makedirs(builds, 0o755, exist_ok=True)
     # Judged as far as it exists (a check makes nothing).
     there = builds if os.path.isdir(builds) else os.path.dirname(builds)
+    if not root and not os.access(there, os.W_OK | os.X_OK):
+        # Not root, Nix builds as this user only in a store of its own,
+        # whose state directory it can write; else the daemon builds, where
+        # it decides, and TMPDIR is only the client's own scratch.
+        return tmpdir
+    shown = human.printable(builds)
     ahead = trust.open_above(there)
     if ahead is None and (not root or trust.enterable_by_others(there)):
-        why = (
-            f"{human.printable(doubt.path)} {human.printable(doubt.why)}"
-            if doubt is not None
-            else "Nix's build users cannot enter it"
-        )
+        why = f"{doubt.path} {doubt.why}" if doubt is not None else "Nix's build users cannot enter it"
         notes.append(
-            f"TMPDIR {human.printable(repr(tmpdir))} is not where builds may run ({why}): with Nix's sandbox off a "
-            f"build reads what lies above its directory (cargo's .cargo/config.toml), so {who} under {builds} "
-            "instead, which only root can write"
+            f"TMPDIR {human.printable(repr(tmpdir))} is not where builds may run ({human.printable(why)}): with "
+            "Nix's sandbox off a build reads what lies above its directory (cargo's .cargo/config.toml), so "
+            f"{who} under {shown} instead, which only root can write"
         )
         return builds
     worst = ahead or doubt
-    assert worst is not None
+    why = f"{worst.path}, which {worst.why}" if worst is not None else f"{there}, which Nix's build users cannot enter"
     raise Fail(
         "nix.build-dir",
-        f"no directory for builds that only root can write: TMPDIR {human.printable(repr(tmpdir))} and {builds} "
-        f"have {human.printable(worst.path)}, which {human.printable(worst.why)}. With the sandbox off a build "
+        f"no directory for builds that only root can write and Nix's build users can enter: TMPDIR "
+        f"{human.printable(repr(tmpdir))} and {shown} have {human.printable(why)}. With the sandbox off a build "
         "reads .cargo/config.toml from every directory above it, so a directory others can write there lets them "
-        f"run code in every build. Fix: set TMPDIR to a directory only root can write, none above it writable by "
-        f"others either, that Nix's build users can enter (e.g. `install -d -m 0755 {builds}`), or "
-        f"`sudo chmod go-w {human.printable(worst.path)}`",
+        "run code in every build. Fix: set TMPDIR to a directory only root can write, none above it writable by "
+        f"others either, that Nix's build users can enter (e.g. `install -d -m 0755 {shown}`), or "
+        + (
+            f"`sudo chmod go-w {human.printable(worst.path)}`"
+            if worst is not None
+            else f"let them pass through it (`sudo chmod o+x {human.printable(there)}`)"
+        ),
     )
 
 
