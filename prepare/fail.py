@@ -292,7 +292,7 @@ REASONS: dict[Reason, Row] = {
     ),
     "smoke.confinement": Row(
         PERMANENT,
-        "the smoke run could not drop its privileges (a step of becoming `smoke_user` failed: fdl-prepare lacks CAP_SETUID, CAP_SETGID or CAP_SETPCAP), so the binary was not run",
+        "the smoke run could not be confined (a step of becoming `smoke_user` failed: fdl-prepare lacks CAP_SETUID, CAP_SETGID or CAP_SETPCAP; its own /proc and /tmp could not be mounted; or it could have reached a terminal), so the binary was not run",
     ),
     # fdl-prepare publish
     "publish.invalid": Row(

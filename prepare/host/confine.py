@@ -149,11 +149,11 @@ def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -
     from prepare.fail import Fail
 
     environ = os.environ if environ is None else environ
+    _remove_left_homes(environ)
     if os.geteuid() != 0:
         me = _name(os.geteuid())
         home = _make_home(None, None, environ)
         return Confinement(me, None, None, (), (), home, clean_env(environ, home))
-    _remove_left_homes(environ)
     groups, names = _gpu_groups()
     if user == DYNAMIC:
         uid, held = _dynamic_uid()
