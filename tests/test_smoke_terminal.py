@@ -270,3 +270,30 @@ def test_an_attempt_started_from_a_terminal_gives_its_smoke_run_none_of_it(
     assert all(seen[f"isatty{fd}"] == "0" and seen[f"tiocsti{fd}"] == str(errno.ENOTTY) for fd in (0, 1, 2)), seen
     assert pushed == b"", pushed
     assert MARK not in said
+
+
+def test_the_helper_refuses_to_start_a_run_that_could_reach_a_terminal(probe):
+    # A caller other than prepare.host.proc that hands the helper a
+    # terminal on stdin (and keeps its own controlling one): the run is
+    # not started, and the helper says which step refused.
+    import subprocess
+
+    from prepare.host import confine
+
+    confinement = confine.enter(confine.DEFAULT_USER)
+    master, slave = os.openpty()
+    status_r, status_w = os.pipe()
+    report = probe / "out" / "never"
+    try:
+        argv = confine.command(confinement, status_w, [str(probe / "probe"), str(report)])
+        done = subprocess.run(
+            argv, stdin=slave, capture_output=True, pass_fds=(status_w,), env=confinement.env, timeout=60, check=False
+        )
+        os.close(status_w)
+        said = os.read(status_r, 4096).decode()
+    finally:
+        confine.leave(confinement)
+        for fd in (master, slave, status_r):
+            os.close(fd)
+    assert "setup terminal" in said, said
+    assert done.returncode == 127 and not report.exists()
