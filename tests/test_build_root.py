@@ -193,6 +193,8 @@ def test_a_cargo_config_planted_in_tmp_and_above_tmpdir_does_not_reach_a_real_ca
     assert seen["ran"] == "", f"the planted rustc-wrapper ran in the build: {seen['ran']}"
     said = seen["stdout"] + seen["stderr"]
     assert "is not where builds may run" in said and os.path.join(NIX_STATE_DIR, "builds") in said, said
+    # What the sandbox being off still exposes is said.
+    assert "Nix builds here without its sandbox (sandbox = false" in said, said
 
 
 # -- never as root ----------------------------------------------------------------------------
