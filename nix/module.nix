@@ -166,7 +166,9 @@ let
         (the unit runs as root; the binary is the training source's code).
         It gets that user's primary group, the `render` and `video` groups
         for the GPUs, no capabilities and a clean environment. A user that
-        does not exist, or is root, stops the unit. Null: `nobody`.
+        does not exist, is root or is one of Nix's build users stops the
+        unit. Null: `dynamic`, a uid of the run's own (60600-60699, none
+        the box uses, held for the run).
       '';
       example = "nobody";
     };

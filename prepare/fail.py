@@ -78,6 +78,7 @@ Reason = Literal[
     "nix.no-space",
     "nix.build-users-missing",
     "nix.build-dir",
+    "nix.builds-as-root",
     "nix.daemon-unreachable",
     "nix.daemon-refused",
     "nix.store-not-writable",
@@ -250,7 +251,14 @@ REASONS: dict[Reason, Row] = {
     "nix.build-users-missing": Row(
         PERMANENT, "Nix's build users group does not exist (Debian's `nix-bin` without `nix-setup-systemd`)"
     ),
-    "nix.build-dir": Row(PERMANENT, "Nix's build users cannot enter the directory builds run in, or Nix refuses it"),
+    "nix.build-dir": Row(
+        PERMANENT,
+        "Nix's build users cannot enter the directory builds run in, Nix refuses it, or every place for it has a "
+        "directory above it that others can write",
+    ),
+    "nix.builds-as-root": Row(
+        PERMANENT, "Nix would run the training build as root (fdl-prepare is root and `build-users-group` is empty)"
+    ),
     "nix.daemon-unreachable": Row(TRANSIENT, "the Nix daemon's socket is missing or not answering"),
     "nix.daemon-refused": Row(PERMANENT, "the Nix daemon refuses this user"),
     "nix.store-not-writable": Row(PERMANENT, "this user cannot write the Nix store"),
@@ -297,7 +305,7 @@ REASONS: dict[Reason, Row] = {
     ),
     "smoke.confinement": Row(
         PERMANENT,
-        "the smoke run could not drop its privileges (a step of becoming `smoke_user` failed: fdl-prepare lacks CAP_SETUID, CAP_SETGID or CAP_SETPCAP), so the binary was not run",
+        "the smoke run could not be confined (a step of becoming `smoke_user` failed: fdl-prepare lacks CAP_SETUID, CAP_SETGID or CAP_SETPCAP; its own /proc and /tmp could not be mounted; or it could have reached a terminal), so the binary was not run",
     ),
     # fdl-prepare publish
     "publish.invalid": Row(

@@ -94,6 +94,22 @@ def run(
             "again (or [join.source] smoke, --smoke, on the box)",
         ) from None
     except proc.ConfinementFailed as failed:
+        if failed.step == "terminal":
+            raise Fail(
+                "smoke.confinement",
+                f"smoke run {shown}: not started, since it could have reached a terminal (a controlling one, or one "
+                "on its stdin, stdout or stderr); the training source's code never gets the operator's terminal, "
+                "through which it could type into the shell that started fdl-prepare. This is a defect of the "
+                "caller that started the run without a session of its own: report it",
+            ) from None
+        if failed.step == "mounts":
+            raise Fail(
+                "smoke.confinement",
+                f"smoke run {shown}: could not give it a /proc, /tmp, /var/tmp and /dev/shm of its own ({failed}); "
+                "without them it would see the box's processes and leave files for the next run. A container that "
+                "lets fdl-prepare make namespaces but masks parts of /proc refuses a fresh proc: unmask /proc for "
+                "it (a privileged container), or take CAP_SYS_ADMIN away so the run falls back to a subreaper",
+            ) from None
         raise Fail(
             "smoke.confinement",
             f"smoke run {shown}: could not drop to {confinement.user} ({failed.step.replace('_', ' ')} failed: "

@@ -131,8 +131,9 @@ class PrepareSpec:
     # The smoke run is stopped after this many seconds (transient).
     smoke_timeout_s: float = 60.0
     # Who the smoke run runs as when fdl-prepare is root (prepare.host.confine):
-    # never root, the training source's code is not the operator's.
-    smoke_user: str = "nobody"
+    # never root, the training source's code is not the operator's;
+    # "dynamic", a uid of the run's own.
+    smoke_user: str = "dynamic"
     # The training user: whom floDl's data plane runs as (`fdl join` and its
     # ranks). Set, step 3 proves that user's dataset cache and stage, and the
     # smoke run runs as it (prepare.host.training_user); None: fdl-prepare's

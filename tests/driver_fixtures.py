@@ -55,7 +55,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,9 +121,11 @@ def driver_libraries() -> Iterator[Compiled]:
         pytest.skip("gcc is not installed: the stand-in driver libraries cannot be compiled")
     if platform.machine() not in _EXIT:
         pytest.skip(f"the libc-free smoke binary knows x86_64 and aarch64, not {platform.machine()}")
-    build = Path(tempfile.mkdtemp(prefix="fake-driver-"))
-    # The smoke run loads them as an unprivileged user (prepare/host/confine.py).
-    build.chmod(0o755)
+    from other_user import reachable_dir
+
+    # The smoke run loads them as an unprivileged user (prepare/host/confine.py),
+    # outside the /tmp it gets fresh.
+    build = reachable_dir("fake-driver-")
     try:
         (build / "cuda.c").write_text(CUDA_C)
         (build / "ptxjit.c").write_text(PTXJIT_C)
@@ -292,8 +293,9 @@ def driver_host(driver_libraries: Compiled) -> Iterator[DriverHost]:
         pytest.skip("the host has no ldconfig")
     # Not under tmp_path (0700): a child run as another user must reach the
     # libraries, as every user reaches a real driver's.
-    root = Path(tempfile.mkdtemp(prefix="fdl-driver-host-"))
-    root.chmod(0o755)
+    from other_user import reachable_dir
+
+    root = reachable_dir("fdl-driver-host-")
     try:
         yield DriverHost(root, driver_libraries)
     finally:

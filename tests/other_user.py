@@ -93,3 +93,17 @@ def real_user(prefix: str = "fdlt") -> Iterator[pwd.struct_passwd]:
         subprocess.run(["userdel", name], capture_output=True, timeout=60, check=False)
         subprocess.run(["groupdel", name], capture_output=True, timeout=60, check=False)
         shutil.rmtree(top, ignore_errors=True)
+
+
+def reachable_dir(prefix: str) -> Path:
+    """A new directory (0755) every user can reach, outside /tmp, /var/tmp
+    and /dev/shm: the smoke run, run as root, gets fresh ones of its own
+    there (prepare/host/confine_helper.py), so a binary or an outbox of a
+    test's under them would be out of its sight. Skips where root may
+    write none of /var/lib, /var/cache, /run."""
+    for base in ("/var/lib", "/var/cache", "/run"):
+        if os.path.isdir(base) and os.access(base, os.W_OK) and os.stat(base).st_mode & 0o001:
+            made = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+            made.chmod(0o755)
+            return made
+    pytest.skip("no directory outside /tmp that root may write and every user may reach (/var/lib, /var/cache, /run)")

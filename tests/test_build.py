@@ -332,7 +332,9 @@ def small_build_disk(request, monkeypatch):  # type: ignore[no-untyped-def]
         pytest.skip("this Nix has no build-dir setting (2.8): it builds under TMPDIR, the TMPDIR case")
     # Nix 2.30 and later refuse a build-dir that others can write, or one
     # under such a directory (/tmp).
-    with small_disk(private=setting == "build-dir") as point:
+    # Private for TMPDIR too: builds run under no directory others can write
+    # (prepare.build.workspace.build_root), so a TMPDIR under /tmp is set aside.
+    with small_disk(private=True) as point:
         if setting == "TMPDIR":
             monkeypatch.setenv("TMPDIR", str(point))
         else:

@@ -782,6 +782,14 @@ def test_a_relative_or_tilde_state_dir_is_permanent(value, words):
     assert "--state-dir" in fail.message and words in fail.message
 
 
+def test_a_control_character_in_state_dir_is_permanent_and_forges_no_line():
+    forged = "/var/lib/fdl\n[fdl-prepare] prepared in 0.01s\x1b[2J"
+    fail = resolve_fail({"state_dir": forged}, {})
+    assert fail.reason == "config.invalid" and fail.kind == "permanent", fail.message
+    assert "join.state_dir" in fail.message and "has a control character" in fail.message
+    assert "\n[fdl-prepare]" not in fail.message and "\x1b" not in fail.message
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [

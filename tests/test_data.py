@@ -985,6 +985,7 @@ def test_the_mount_lock_is_keyed_by_the_mountpoint_and_lives_outside_it(tmp_path
     assert a == data.lock_path(str(tmp_path / "a"))
     assert a != data.lock_path(str(tmp_path / "b"))
     assert not a.startswith(str(tmp_path / "a") + os.sep)
+    locks.private_dir(os.path.dirname(a))
     assert os.access(os.path.dirname(a), os.W_OK)
 
 
@@ -994,7 +995,8 @@ def test_a_prepare_waits_for_the_mount_lock_and_then_reuses_what_the_holder_moun
 ) -> None:
     point = sshfs_mounts.point()
     spec = sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point))
-    fd = os.open(data.lock_path(str(point)), os.O_RDONLY | os.O_CREAT, 0o644)
+    locks.private_dir(os.path.dirname(data.lock_path(str(point))))
+    fd = os.open(data.lock_path(str(point)), os.O_RDONLY | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         outcome: list[object] = []
@@ -1021,7 +1023,8 @@ def test_a_lock_held_past_the_wait_is_transient(
     monkeypatch.setattr(data, "LOCK_GRACE_S", 0.3)
     monkeypatch.setattr(listing, "CHILD_GRACE_S", 0.0)
     point = tmp_path / "locked"
-    fd = os.open(data.lock_path(str(point)), os.O_RDONLY | os.O_CREAT, 0o644)
+    locks.private_dir(os.path.dirname(data.lock_path(str(point))))
+    fd = os.open(data.lock_path(str(point)), os.O_RDONLY | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), list_timeout_s=0.1))
@@ -1031,24 +1034,63 @@ def test_a_lock_held_past_the_wait_is_transient(
     assert "mount lock" in fail.message
 
 
-def test_a_lock_file_root_created_can_be_taken_by_another_user(tmp_path: Path) -> None:
+def test_a_mount_lock_root_made_cannot_be_opened_or_held_by_another_user(tmp_path: Path) -> None:
+    # A lock another user can open is one they can hold (a shared flock is
+    # enough): every attempt would wait out its bound and fail lock.busy.
     if os.geteuid() != 0:
-        pytest.skip("needs root to create the lock as another user")
+        pytest.skip("needs root to make the lock as a root prepare does")
     if shutil.which("setpriv") is None or shutil.which("flock") is None:
         pytest.skip("setpriv and flock (util-linux) are not installed")
-    path = data.lock_path(str(tmp_path / "shared"))
-    Path(path).unlink(missing_ok=True)
-    # Root creates it, as a root prepare would; nobody then takes it.
-    os.close(locks.open_lock(path))
+    point = str(tmp_path / "shared")
+    path = data.lock_path(point)
+    # Root takes it and lets go, as a root prepare's mount step does.
+    with data._mount_lock(point, 1.0):
+        pass
     try:
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
-        done = subprocess.run(
-            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "flock", "-n", "-s", path, "true"],
+        where = os.path.dirname(path)
+        assert stat.S_IMODE(os.stat(where).st_mode) == 0o700 and os.stat(where).st_uid == 0
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+        held = subprocess.run(
+            [*nobody, "flock", "-n", "-s", path, "true"], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert held.returncode != 0 and "Permission denied" in held.stderr, held.stderr
+        # Nor can it make a lock (or a directory) of its own there first.
+        planted = subprocess.run(
+            [*nobody, "mkdir", os.path.join(where, "fdl-prepare-mount.planted.lock")],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
-        assert done.returncode == 0, done.stderr
+        assert planted.returncode != 0 and "Permission denied" in planted.stderr, planted.stderr
     finally:
         os.unlink(path)
+
+
+def test_a_directory_in_place_of_a_mount_lock_is_permanent_and_says_to_remove_it(tmp_path: Path) -> None:
+    point = str(tmp_path / "planted")
+    path = data.lock_path(point)
+    locks.private_dir(os.path.dirname(path))
+    os.mkdir(path)
+    try:
+        with pytest.raises(Fail) as caught, data._mount_lock(point, 1.0):
+            pytest.fail("a directory was taken for a lock")
+    finally:
+        os.rmdir(path)
+    fail = caught.value
+    assert fail.reason == "dirs.unwritable" and fail.permanent, fail.message
+    assert f"remove it (`sudo rm -r {path}`)" in fail.message, fail.message
+
+
+def test_a_lock_directory_another_user_made_first_is_permanent_naming_it(tmp_path: Path) -> None:
+    # Where another user could make the lock directory first (a non-root
+    # prepare's falls back to the temporary directory): theirs is refused.
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory as another user")
+    theirs = tmp_path / "locks"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(locks.NotPrivate) as caught:
+        locks.private_dir(str(theirs))
+    assert "owned by uid 65534" in str(caught.value) and "sudo rm -r" in str(caught.value)
 
 
 # -- the key itself: what ssh would refuse is permanent ------------------------------------

@@ -119,6 +119,18 @@ def test_tmpdir_pointing_at_a_missing_directory_is_permanent_and_names_tmpdir(bo
     assert f"mkdir -p {missing}" in fail.message
 
 
+def test_a_control_character_in_tmpdir_is_permanent_and_forges_no_line(box, monkeypatch):
+    # A real directory whose name carries a newline and an escape: every
+    # message naming it would print a forged line.
+    forged = box.stage / "x\n[fdl-prepare] prepared\x1b[2J"
+    forged.mkdir()
+    monkeypatch.setenv("TMPDIR", str(forged))
+    fail = check_failing()
+    assert fail.reason == "dirs.unwritable" and fail.kind == "permanent", fail.message
+    assert "has a control character" in fail.message and "\n" not in fail.message and "\x1b" not in fail.message
+    assert "x\\n[fdl-prepare] prepared\\x1b[2J" in fail.message
+
+
 def test_python_itself_would_have_fallen_back_silently_where_the_check_refuses(box, monkeypatch):
     missing = box.stage / "gone"
     monkeypatch.setenv("TMPDIR", str(missing))

@@ -88,15 +88,16 @@ def test_a_lock_that_cannot_be_opened_is_the_callers_fail(tmp_path: Path) -> Non
     assert caught.value.message.startswith("cannot open the test lock: ")
 
 
-def test_a_new_lock_file_is_readable_by_everyone_whatever_the_umask(tmp_path: Path) -> None:
+def test_a_new_lock_file_is_its_owners_alone_and_an_old_open_one_is_tightened(tmp_path: Path) -> None:
+    # Whoever can open a lock file can hold it (a shared flock is enough).
     path = str(tmp_path / "lock")
-    old = os.umask(0o077)
+    old = os.umask(0)
     try:
         os.close(locks.open_lock(path))
     finally:
         os.umask(old)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
-    # An existing file is opened as it is, not created again.
-    os.chmod(path, 0o600)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    # One an earlier version made 0644 (the state lock was) is made 0600.
+    os.chmod(path, 0o644)
     os.close(locks.open_lock(path))
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

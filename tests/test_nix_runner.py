@@ -482,7 +482,10 @@ def test_a_store_this_user_cannot_write_is_permanent(nix_env, test_flake, tmp_pa
         shim = nix_as(65534, shared)
         state = shared / "state"
         state.mkdir()
-        runner = Nix(str(state), program=str(shim), env={**os.environ, "NIX_REMOTE": "local"})
+        # The build users a root Nix has (Nix leaves build-users-group empty
+        # for any other user, and fdl-prepare, root here, would refuse it).
+        env = {**os.environ, "NIX_REMOTE": "local", "NIX_CONFIG": f"{NIX_CONFIG}build-users-group = nixbld\n"}
+        runner = Nix(str(state), program=str(shim), env=env)
         with pytest.raises(Fail) as caught:
             runner.eval_json(f"path:{flake}#legacyPackages.{nix_mod.system()}.fdl.contract")
     finally:

@@ -10,12 +10,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_BUILDS, NIX_CONFIG, build, builds_follow_tmpdir, manifest_text, procs_with, trainer
+from nix_fixtures import (
+    NIX_BUILDS,
+    NIX_CONFIG,
+    build,
+    builds_follow_tmpdir,
+    manifest_text,
+    private_dir,
+    procs_with,
+    trainer,
+)
 
 from prepare.host import proc
 
@@ -127,9 +135,9 @@ def _ours(parent: Path) -> set[Path]:
 def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt(
     nix_env, test_flake, state_dir, git_source, sandbox
 ):
-    # A TMPDIR of this test's own that Nix's build users can enter.
-    tmp = Path(tempfile.mkdtemp(prefix="fdl-sigkill-tmp-", dir="/tmp"))
-    tmp.chmod(0o1777)
+    # A TMPDIR of this test's own that Nix's build users can enter, and only
+    # root can write, nor any directory above it (else it is set aside).
+    tmp = private_dir("fdl-sigkill-tmp-")
     # Where this Nix makes a build's directory: under TMPDIR (2.8, 2.26), or
     # in its build-dir (2.30 and later), where the attempt has one of its own.
     parent = tmp if builds_follow_tmpdir() else NIX_BUILDS

@@ -27,7 +27,7 @@ import pytest
 from driver_fixtures import smoke_binary
 from nix_fixtures import manifest_text, procs_with
 from nvml_fixtures import ampere_pair
-from other_user import run_as
+from other_user import reachable_dir, run_as
 
 from prepare import smoke
 from prepare.fail import Fail
@@ -47,9 +47,8 @@ def script(path: Path, body: str) -> Binary:
 @pytest.fixture
 def public() -> Iterator[Path]:
     """A directory the smoke run's unprivileged user can reach (pytest's own
-    are under a 0700 directory of root's)."""
-    path = Path(tempfile.mkdtemp(prefix="fdl-smoke-test-", dir="/tmp"))
-    path.chmod(0o755)
+    are under a 0700 directory of root's), outside the /tmp it gets fresh."""
+    path = reachable_dir("fdl-smoke-test-")
     try:
         yield path
     finally:
@@ -200,7 +199,7 @@ def test_the_smoke_run_runs_as_nobody_with_no_capabilities_and_a_clean_environme
     binary = script(public / "train", REPORT.removeprefix("#!/bin/sh\n"))
     report = _outbox(public)
     notes: list[str] = []
-    smoke.run(binary, [str(report)], 30, notes)
+    smoke.run(binary, [str(report)], 30, notes, user="nobody")
     seen = _report(report)
     # What the test binary printed, for the record (and the report).
     print(json.dumps(seen, indent=2, sort_keys=True))
@@ -231,7 +230,7 @@ def test_the_smoke_run_runs_as_nobody_with_no_capabilities_and_a_clean_environme
             f", {n}" if i else f" with {n}"
             for i, n in enumerate([n for n in GPU_GROUPS if n in {g.gr_name for g in grp.getgrall()}])
         )
-        + ", no capabilities, a clean environment, in a PID namespace of its own)"
+        + ", no capabilities, a clean environment, in a PID namespace of its own, with its own /proc, /tmp, /var/tmp and /dev/shm)"
     ), notes
 
 
@@ -268,12 +267,12 @@ def test_with_a_training_user_the_smoke_run_runs_as_it_with_no_capabilities_and_
 def _devices_allowed() -> Path:
     """A directory every user can reach on a file system that honours
     device nodes (a tmpfs /tmp is often mounted nodev, as Debian 13's is)."""
-    for base in ("/tmp", "/var/tmp"):
+    for base in ("/var/lib", "/var/cache"):
         if os.path.isdir(base) and not os.statvfs(base).f_flag & os.ST_NODEV:
             path = Path(tempfile.mkdtemp(prefix="fdl-smoke-nodes-", dir=base))
             path.chmod(0o755)
             return path
-    pytest.skip("neither /tmp nor /var/tmp is on a file system that allows device nodes")
+    pytest.skip("neither /var/lib nor /var/cache is on a file system that allows device nodes")
 
 
 @root_only

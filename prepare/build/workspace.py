@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from prepare.build.plan import BuildPlan
 from prepare.fail import Fail
-from prepare.host import dirs, human, locks, state
+from prepare.host import dirs, human, locks, state, trust
 from prepare.nix import runner
 from prepare.nix.diagnosis import BuildDir
 from prepare.spec import Event, Progress, SshSpec
@@ -112,17 +112,16 @@ def open(
     # The same proof as the node-local directories: it holds the GC roots
     # of built outputs, so it must take a write before a build is spent.
     dirs.prove_writable(os.path.join(where, "gcroots"), "the state directory's gcroots", plan.state_origin, var=var)
-    tmpdir = _build_tmpdir(env, notes, "nix builds")
-    if tmpdir is not None:
-        env = {**(os.environ if env is None else env), "TMPDIR": tmpdir}
+    root = build_root(env, notes, "nix builds")
     nix = _nix(plan, where, nix_program, env, progress)
+    nix.notes = notes
     step = Phases(progress)
     # The wait for the lock may start the display (it says whom it waits for).
     held.callback(step.end)
     held.enter_context(_locked(where, lock_wait_s(plan.build_timeout_s), step, notes))
     # Under the lock: the directory a killed attempt left is this state
     # directory's to remove, and no other attempt is using it.
-    held.enter_context(_nix_tmp(where, nix))
+    held.enter_context(_nix_tmp(where, nix, root))
     return Workspace(state=where, nix=nix, step=step, system=runner.system(), ssh=plan.ssh)
 
 
@@ -151,7 +150,7 @@ def inspect(
         if os.path.isdir(gcroots):
             dirs.probe(gcroots, "the state directory's gcroots", plan.state_origin, var=var)
         _note_holder(os.path.join(where, "lock"), lock_wait_s(plan.build_timeout_s), notes)
-    _build_tmpdir(env, notes, "an attempt's nix would build")
+    build_root(env, notes, "an attempt's nix would build", make=False)
     scratch = tempfile.mkdtemp(prefix="fdl-prepare-check.")
     held.callback(shutil.rmtree, scratch, ignore_errors=True)
     nix = _nix(plan, scratch, nix_program, env, progress)
@@ -160,17 +159,65 @@ def inspect(
     return Workspace(state=where, nix=nix, step=step, system=runner.system(), scratch=scratch, ssh=plan.ssh), exists
 
 
-def _build_tmpdir(env: Mapping[str, str] | None, notes: list[str], who: str) -> str | None:
-    """Where Nix's build users can build when TMPDIR is out of their reach
-    (said in a note), else None."""
+def build_root(env: Mapping[str, str] | None, notes: list[str], who: str, *, make: bool = True) -> str:
+    """The directory under which this attempt's Nix gets its TMPDIR, where
+    Nix before 2.30 (and any without a build-dir) makes each build's
+    directory: one no one but root (or this user) can write, nor any
+    directory above it (`trust.open_above`, with lstat).
+
+    With the sandbox off (Debian's Nix, Nix 2.8 here) a build sees the whole
+    file system, and cargo reads `.cargo/config.toml` from every directory
+    above its own: under /tmp, any local user (or an earlier smoke run) can
+    plant one whose `rustc-wrapper` runs inside every later build, and on a
+    publish host gets its output signed into the cache every box trusts.
+    So the box's TMPDIR is taken only when that holds of it; else Nix's own
+    `<state>/builds` (/nix/var/nix/builds: where Nix 2.30 and later build by
+    default, for the same reason, on the store's disk), made as Nix makes
+    it. Run as root, Nix's build users must pass through it. Said in a note
+    when TMPDIR is set aside; a permanent `nix.build-dir` when neither will
+    do."""
     base_env = os.environ if env is None else env
-    tmpdir = runner.build_tmpdir(base_env)
-    if tmpdir is not None:
+    tmpdir = base_env.get("TMPDIR") or "/tmp"
+    root = os.geteuid() == 0
+    doubt = trust.open_above(tmpdir)
+    if doubt is None and (not root or trust.enterable_by_others(tmpdir)):
+        return tmpdir
+    builds = os.path.join(base_env.get("NIX_STATE_DIR") or runner.NIX_STATE_DIR, "builds")
+    if make:
+        with contextlib.suppress(OSError):
+            os.makedirs(builds, 0o755, exist_ok=True)
+    # Judged as far as it exists (a check makes nothing).
+    there = builds if os.path.isdir(builds) else os.path.dirname(builds)
+    if not root and not os.access(there, os.W_OK | os.X_OK):
+        # Not root, Nix builds as this user only in a store of its own,
+        # whose state directory it can write; else the daemon builds, where
+        # it decides, and TMPDIR is only the client's own scratch.
+        return tmpdir
+    shown = human.printable(builds)
+    ahead = trust.open_above(there)
+    if ahead is None and (not root or trust.enterable_by_others(there)):
+        why = f"{doubt.path} {doubt.why}" if doubt is not None else "Nix's build users cannot enter it"
         notes.append(
-            f"TMPDIR {base_env.get('TMPDIR', '/tmp')!r} cannot be entered by Nix's build users (a single-user Nix "
-            f"as root builds there as them): {who} under {tmpdir} instead"
+            f"TMPDIR {human.printable(repr(tmpdir))} is not where builds may run ({human.printable(why)}): with "
+            "Nix's sandbox off a build reads what lies above its directory (cargo's .cargo/config.toml), so "
+            f"{who} under {shown} instead, which only root can write"
         )
-    return tmpdir
+        return builds
+    worst = ahead or doubt
+    why = f"{worst.path}, which {worst.why}" if worst is not None else f"{there}, which Nix's build users cannot enter"
+    raise Fail(
+        "nix.build-dir",
+        f"no directory for builds that only root can write and Nix's build users can enter: TMPDIR "
+        f"{human.printable(repr(tmpdir))} and {shown} have {human.printable(why)}. With the sandbox off a build "
+        "reads .cargo/config.toml from every directory above it, so a directory others can write there lets them "
+        "run code in every build. Fix: set TMPDIR to a directory only root can write, none above it writable by "
+        f"others either, that Nix's build users can enter (e.g. `install -d -m 0755 {shown}`), or "
+        + (
+            f"`sudo chmod go-w {human.printable(worst.path)}`"
+            if worst is not None
+            else f"let them pass through it (`sudo chmod o+x {human.printable(there)}`)"
+        ),
+    )
 
 
 def _nix(
@@ -247,14 +294,14 @@ def _locked(where: str, wait_s: float, step: Callable[[str, str], None], notes: 
 
 
 @contextmanager
-def _nix_tmp(where: str, nix: runner.Nix) -> Iterator[None]:
+def _nix_tmp(where: str, nix: runner.Nix, base: str) -> Iterator[None]:
     """Give `nix` a TMPDIR of this attempt's own under the one it has and,
     before its first call that may build, a build-dir of the attempt's own
     where builds do not follow TMPDIR (`_own_build_dir`); their paths are
     recorded in <state>/nix-tmp, one a line. The ones a killed attempt left
-    go first, this attempt's at the end. Where one cannot be made (its disk
-    is full), nix keeps its own: the build then says what is full."""
-    base = (nix.env if nix.env is not None else os.environ).get("TMPDIR") or "/tmp"
+    go first, this attempt's at the end. `base` is `build_root`'s. Where one
+    cannot be made (its disk is full), Nix gets `base` itself: the build
+    then says what is full."""
     record = os.path.join(where, NIX_TMP_RECORD)
     _remove_left_tmp(record)
     made: list[str] = []
@@ -268,9 +315,9 @@ def _nix_tmp(where: str, nix: runner.Nix) -> Iterator[None]:
         for path in made:
             shutil.rmtree(path, ignore_errors=True)
         made.clear()
-    else:
-        nix.env = {**(nix.env if nix.env is not None else os.environ), "TMPDIR": tmp}
-        nix.builds = BuildDir(base, "TMPDIR")
+        tmp = base
+    nix.env = {**(nix.env if nix.env is not None else os.environ), "TMPDIR": tmp}
+    nix.builds = BuildDir(base, "TMPDIR")
     nix.own_build_dir = lambda parent: _own_build_dir(parent, record, made)
     try:
         yield

@@ -244,10 +244,11 @@ FIELDS: tuple[Field, ...] = (
         spec="smoke_user",
         kind=SMOKE_USER,
         metavar="USER",
-        default="nobody",
+        default="dynamic",
         nix="nullOr str",
-        help="The unprivileged user the smoke run runs as when fdl-prepare is root (never root itself); it gets "
-        "only the render and video groups for the GPUs, no capabilities and a clean environment. Default: nobody.",
+        help="The unprivileged user the smoke run runs as when fdl-prepare is root (never root itself, nor one of "
+        "Nix's build users); `dynamic`, the default, is a uid of the run's own (60600-60699, none the box uses). "
+        "It gets only the render and video groups for the GPUs, no capabilities and a clean environment.",
     ),
     Field(
         key="user",

@@ -194,9 +194,20 @@ def _absolute_path(example: str) -> Checker:
                 "is a relative path, which would resolve against the working directory (`/` under systemd): write "
                 f"the absolute path, e.g. {example}"
             )
+        if _printable(value) != value:
+            return (
+                "has a control character (or one that hides text), which every message naming the path would "
+                f"print: a newline there forges a whole line of fdl-prepare's output. Use a plain path, e.g. {example}"
+            )
         return None
 
     return check
+
+
+def _printable(value: str) -> str:
+    from prepare.host.human import printable
+
+    return printable(value)
 
 
 def _ssh_target(value: Any) -> str | None:

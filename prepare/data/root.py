@@ -34,6 +34,7 @@ the lock file itself in `prepare.host.locks`.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -110,17 +111,25 @@ def check(plan: DataPlan, notes: list[str]) -> tuple[str | None, str, str]:
 
 
 def _lock_dir() -> str:
-    """A directory every user can create a lock in, shared by all of them.
-
-    /run/lock is world-writable (sticky) on systemd and Debian systems and is
-    not hidden by a unit's PrivateTmp, so root and a service user serialize
-    on the same file. Otherwise the runtime dir, otherwise the temp dir."""
+    """The directory of the mount locks: one no one else can create in or
+    open a lock of. A lock another user can open is a lock they can hold
+    (a shared flock is enough), and every attempt would then wait its bound
+    and fail `lock.busy`, blaming another fdl-prepare: so not /run/lock,
+    which every user can write. Root's is `locks.ROOT_DIR`; another user's is
+    its runtime directory, else one of its own under the temporary
+    directory. Made 0700 when missing; `locks.private_dir` holds it to
+    that. Root and a service user no longer share one: each serialises its
+    own mounts (two users cannot mount at one data_path anyway)."""
     import tempfile
 
-    for candidate in ("/run/lock", os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir()):
-        if candidate and os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK):
-            return candidate
-    return tempfile.gettempdir()
+    from prepare.host import locks
+
+    if os.geteuid() == 0:
+        return locks.ROOT_DIR
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        return os.path.join(runtime, "fdl-prepare")
+    return os.path.join(tempfile.gettempdir(), f"fdl-prepare-locks.{os.geteuid()}")
 
 
 def lock_path(mountpoint: str) -> str:
@@ -144,15 +153,23 @@ def _mount_lock(mountpoint: str, list_timeout_s: float) -> Iterator[None]:
     wait = 3 * mount.MOUNT_TIMEOUT_S + 3 * (list_timeout_s + listing.CHILD_GRACE_S) + LOCK_GRACE_S
 
     def cannot_open(err: OSError) -> Fail:
+        shown = human.printable(path)
+        if err.errno in (errno.EISDIR, errno.EINVAL):
+            fix = f"it is not a lock file (a directory or a device is in its place): remove it (`sudo rm -r {shown}`)"
+        elif isinstance(err, locks.NotPrivate):
+            fix = str(err)
+        else:
+            fix = f"make {human.printable(os.path.dirname(path))} a directory of this user's, mode 0700"
         return Fail(
             "dirs.unwritable",
-            f"cannot open the mount lock {path} for data_path {mountpoint}: {human.oserror(err)}; "
-            f"make {os.path.dirname(path)} writable for this user.",
+            f"cannot open the mount lock {shown} for data_path {human.printable(mountpoint)}: "
+            f"{human.oserror(err)}; {fix}",
         )
 
     with locks.held(
         path,
         wait,
+        private=True,
         cannot_open=cannot_open,
         stuck=(
             f"another fdl-prepare has held the mount lock for {mountpoint} ({path}) for "

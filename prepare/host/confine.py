@@ -4,8 +4,10 @@ The training source is written by whoever publishes a run, not by the
 box's operator, and fdl-prepare runs as root. So the smoke run (the one
 time fdl-prepare executes that code itself) gets nothing of root's:
 
-- as root, it runs as `smoke_user` (default `nobody`, which Debian and
-  NixOS both have), with that user's primary group and, as supplementary
+- as root, it runs as the training user (`user`) when one is set, else
+  as `smoke_user`: by default `dynamic`, a uid of the run's own that no
+  user, group or process of the box has; a named one with that user's
+  primary group. As supplementary
   groups, only those the GPU device nodes need where the box has them
   (`render`, `video`: AMD's /dev/kfd and /dev/dri are root:render 0660,
   NVIDIA's /dev/nvidia* are 0666). A user that is root (uid 0) is refused;
@@ -45,8 +47,20 @@ from dataclasses import dataclass
 
 from prepare.host.trust import enterable_by_others
 
-# The user the smoke run runs as, when fdl-prepare is root.
-DEFAULT_USER = "nobody"
+# The user the smoke run runs as, when fdl-prepare is root: `dynamic`, a
+# uid of its own for the run (DYNAMIC_UIDS), not `nobody`, which the box's
+# other daemons share (their files, an NFS export's squashed ones).
+DYNAMIC = "dynamic"
+DEFAULT_USER = DYNAMIC
+# The uids (and gids, the same numbers) a dynamic smoke run takes: none a
+# user or group of the box has, none a process runs as, each held by a
+# lock for the run. Inside the range systemd leaves unused (between
+# systemd-homed's 60001-60513 and nspawn's and DynamicUser's from 60514),
+# above useradd's UID_MAX (60000).
+DYNAMIC_UIDS = (60600, 60699)
+# Nix's build users' group (its default, and NixOS's): a smoke run as one
+# of them could write into a build running now.
+NIX_BUILD_GROUP = "nixbld"
 # Supplementary groups the GPU device nodes need, where they exist.
 GPU_GROUPS = ("render", "video")
 # What a training run needs of the caller's environment, and nothing else.
@@ -110,12 +124,21 @@ class Confinement:
     group_names: tuple[str, ...]
     home: str
     env: dict[str, str]
+    # The lock that holds a dynamic uid for the run (let go by `leave`).
+    held: int | None = None
 
     def describe(self, mode: str | None) -> str:
         """How it ran, for the note: the user and groups, and the containment."""
-        who = f"as {self.user}" if self.uid is not None else f"as {self.user} (fdl-prepare is not root)"
+        if self.held is not None:
+            who = f"as uid {self.uid}, one of its own"
+        else:
+            who = f"as {self.user}" if self.uid is not None else f"as {self.user} (fdl-prepare is not root)"
         groups = f" with {', '.join(self.group_names)}" if self.group_names else ""
-        within = {"pidns": "in a PID namespace of its own", "reaper": "under a subreaper"}.get(mode or "", "")
+        within = {
+            "private": "in a PID namespace of its own, with its own /proc, /tmp, /var/tmp and /dev/shm",
+            "pidns": "in a PID namespace of its own",
+            "reaper": "under a subreaper",
+        }.get(mode or "", "")
         return f"{who}{groups}, no capabilities, a clean environment{', ' + within if within else ''}"
 
 
@@ -128,13 +151,23 @@ def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -
     from prepare.fail import Fail
 
     environ = os.environ if environ is None else environ
+    _remove_left_homes(environ)
     if os.geteuid() != 0:
         me = _name(os.geteuid())
         home = _make_home(None, None, environ)
         return Confinement(me, None, None, (), (), home, clean_env(environ, home))
+    groups, names = _gpu_groups()
+    if user == DYNAMIC:
+        uid, held = _dynamic_uid()
+        try:
+            home = _make_home(uid, uid, environ)
+        except BaseException:
+            os.close(held)
+            raise
+        return Confinement(f"uid {uid}", uid, uid, groups, names, home, clean_env(environ, home), held)
     fix = (
-        "set smoke_user in [join] (--smoke-user) to an unprivileged user that exists on this box (the default, "
-        f"{DEFAULT_USER!r}, does on Debian and NixOS), or create it (`sudo useradd --system --no-create-home "
+        f"set smoke_user in [join] (--smoke-user) to {DYNAMIC!r} (the default: a uid of the run's own) or to an "
+        "unprivileged user that exists on this box, or create one (`sudo useradd --system --no-create-home "
         "--shell /usr/sbin/nologin fdl-smoke`)"
     )
     try:
@@ -151,6 +184,23 @@ def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -
             f"smoke_user = {user!r} is root (uid {entry.pw_uid}, gid {entry.pw_gid}): the smoke run executes the "
             f"training source's code, which must never run as root. Fix: {fix}",
         )
+    try:
+        builders = grp.getgrnam(NIX_BUILD_GROUP)
+    except KeyError:
+        builders = None
+    if builders is not None and (entry.pw_gid == builders.gr_gid or user in builders.gr_mem):
+        raise Fail(
+            "config.invalid",
+            f"smoke_user = {user!r} is one of Nix's build users (group {NIX_BUILD_GROUP}): a smoke run as it could "
+            f"write into a build running now, whose output every later attempt trusts. Fix: {fix}",
+        )
+    home = _make_home(entry.pw_uid, entry.pw_gid, environ)
+    return Confinement(user, entry.pw_uid, entry.pw_gid, groups, names, home, clean_env(environ, home))
+
+
+def _gpu_groups() -> tuple[tuple[int, ...], tuple[str, ...]]:
+    import grp
+
     groups: list[int] = []
     names: list[str] = []
     for name in GPU_GROUPS:
@@ -161,15 +211,122 @@ def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -
         if found != 0 and found not in groups:
             groups.append(found)
             names.append(name)
-    home = _make_home(entry.pw_uid, entry.pw_gid, environ)
-    return Confinement(user, entry.pw_uid, entry.pw_gid, tuple(groups), tuple(names), home, clean_env(environ, home))
+    return tuple(groups), tuple(names)
+
+
+def _dynamic_uid() -> tuple[int, int]:
+    """A uid of DYNAMIC_UIDS no user, group or process of the box has, and
+    the fd of the lock that holds it for this run (two attempts at once
+    never share one). A permanent Fail when every one is taken."""
+    import fcntl
+    import grp
+    import pwd
+
+    from prepare.fail import Fail
+    from prepare.host import human, locks
+
+    try:
+        locks.private_dir(locks.ROOT_DIR)
+    except OSError as err:
+        raise Fail(
+            "dirs.unwritable",
+            f"cannot hold a uid for the smoke run: {locks.ROOT_DIR}: {err.strerror or human.oserror(err)}",
+        ) from None
+    running = _uids_running()
+    low, high = DYNAMIC_UIDS
+    for uid in range(low, high + 1):
+        if uid in running:
+            continue
+        try:
+            pwd.getpwuid(uid)
+            continue
+        except KeyError:
+            pass
+        try:
+            grp.getgrgid(uid)
+            continue
+        except KeyError:
+            pass
+        try:
+            fd = locks.open_lock(os.path.join(locks.ROOT_DIR, f"smoke-uid.{uid}"))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        return uid, fd
+    raise Fail(
+        "config.invalid",
+        f"no uid of {low}-{high} is free for the smoke run (each is a user or group of this box, runs a process, or "
+        f"is held by another smoke run): free some, or set smoke_user (--smoke-user) to an unprivileged user",
+    )
+
+
+def _uids_running() -> set[int]:
+    """Every uid a process of the box runs as (real, effective, saved, fs)."""
+    found: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fd = os.open(f"/proc/{name}/status", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            # The Uid: line is in the first lines; one read of raw bytes
+            # costs a third of a line-by-line text read.
+            head = os.read(fd, 4096)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        start = head.find(b"\nUid:")
+        if start >= 0:
+            line = head[start + 5 : head.find(b"\n", start + 1)]
+            found.update(int(u) for u in line.split() if u.isdigit())
+    return found
 
 
 def leave(confinement: Confinement) -> None:
-    """Remove the run's home (never through a link: rmtree walks by fd)."""
+    """Remove the run's home (never through a link: rmtree walks by fd),
+    and let go of its uid."""
     import shutil
 
     shutil.rmtree(confinement.home, ignore_errors=True)
+    if confinement.held is not None:
+        os.close(confinement.held)
+
+
+# A run's home is named for the fdl-prepare that made it, so the next
+# attempt can tell one a SIGKILL left (its maker is gone) from one in use.
+HOME_PREFIX = "fdl-smoke-"
+
+
+def _remove_left_homes(environ: dict[str, str] | os._Environ[str]) -> None:
+    """The homes of smoke runs whose fdl-prepare is gone (it was SIGKILLed
+    before `leave`), each a real directory, removed without following a
+    link."""
+    import shutil
+
+    for where in dict.fromkeys(c for c in (environ.get("TMPDIR") or "", "/tmp", "/var/tmp") if c):
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        for name in names:
+            pid = name[len(HOME_PREFIX) :].partition("-")[0]
+            if not name.startswith(HOME_PREFIX) or not pid.isdigit():
+                continue
+            try:
+                os.kill(int(pid), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+            shutil.rmtree(os.path.join(where, name), ignore_errors=True)
 
 
 def _name(uid: int) -> str:
@@ -193,7 +350,7 @@ def _make_home(uid: int | None, gid: int | None, environ: dict[str, str] | os._E
     usable = [c for c in candidates if c and (uid is None or enterable_by_others(c))]
     for where in dict.fromkeys(usable):
         try:
-            home = tempfile.mkdtemp(prefix="fdl-smoke-", dir=where)
+            home = tempfile.mkdtemp(prefix=f"{HOME_PREFIX}{os.getpid()}-", dir=where)
         except OSError:
             continue
         try:

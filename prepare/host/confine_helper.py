@@ -11,7 +11,8 @@ imports only the cheapest modules (not json, dataclasses or typing, which
 together cost more than the interpreter's own start). It reports on the
 status fd it is given, one line per fact: `mode pidns|reaper`, then `exec
 <errno>` or `setup <step> <errno>` if the binary never started, and `done`
-at the end.
+at the end. The mode is `private` where the run also has a mount
+namespace of its own (its own /proc, /tmp, /var/tmp and /dev/shm).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import resource
 import select
 import signal
 import sys
@@ -30,8 +32,14 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, NoReturn
 
-# linux/sched.h, linux/prctl.h, linux/capability.h
+# linux/sched.h, linux/prctl.h, linux/capability.h, linux/mount.h
 _CLONE_NEWPID = 0x20000000
+_CLONE_NEWNS = 0x00020000
+_MS_NOSUID = 2
+_MS_NODEV = 4
+_MS_NOEXEC = 8
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
 _PR_SET_PDEATHSIG = 1
 _PR_CAPBSET_DROP = 24
 _PR_SET_CHILD_SUBREAPER = 36
@@ -39,6 +47,21 @@ _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
 _CAPABILITY_VERSION_3 = 0x20080522
+# linux/close_range.h
+_CLOSE_RANGE_CLOEXEC = 1 << 2
+
+# Where the run may leave files for the next one, or read another's: each
+# gets a fresh tmpfs in the run's mount namespace, gone with it. Their size
+# is tmpfs's own default (half the RAM), said explicitly; /dev/shm is where
+# a PyTorch DataLoader keeps its shared memory, which can be gigabytes.
+_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+_TMPFS_OPTIONS = b"mode=1777,size=50%"
+# Bounds on the run, generous for a training step, tight for a fork bomb or
+# a disk filler: processes and threads of its user (a dynamic uid's are its
+# own; `nobody`'s count the box's other nobody processes too), the size of
+# any one file it writes, and no core dump (of another's code, in a place
+# root chose). No RLIMIT_AS: CUDA reserves address space far past the RAM.
+_LIMITS = (("RLIMIT_NPROC", 8192), ("RLIMIT_FSIZE", 64 << 30), ("RLIMIT_CORE", 0))
 
 # Signals that ask the helper to stop the run (a timeout, an interrupt).
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -97,6 +120,8 @@ class Settings:
         self.groups = [] if groups == "-" else [int(g) for g in groups.split(",")]
         self.status = int(status)
         self.pidns = pidns == "1"
+        # Set by main: whether the run has a mount namespace of its own.
+        self.private = False
         self.env = dict(word.split("=", 1) for word in words[5:end])
         self.args = words[end + 1 :]
 
@@ -108,10 +133,23 @@ def _become(cfg: Settings, args: list[str], life: int, err: int) -> NoReturn:
     libc = _libc()
     step = "signals"
     try:
+        step = "terminal"
+        _no_terminal(libc)
+        step = "signals"
         for signum in (*_STOPPING, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         uid, gid = cfg.uid, cfg.gid
+        if cfg.private:
+            step = "mounts"
+            _private_mounts(libc, cfg)
+        step = "limits"
+        for name, value in _LIMITS:
+            which = getattr(resource, name)
+            hard = resource.getrlimit(which)[1]
+            if hard != resource.RLIM_INFINITY and hard < value:
+                value = hard
+            resource.setrlimit(which, (value, value))
         if uid is not None and gid is not None:
             step = "groups"
             os.setgroups(cfg.groups)
@@ -144,6 +182,55 @@ def _become(cfg: Settings, args: list[str], life: int, err: int) -> NoReturn:
     except BaseException:  # noqa: BLE001 (nothing may run after a failed step)
         _say(err, f"setup {step.replace(' ', '_')} 0")
     os._exit(127)
+
+
+def _mount(libc: Any, source: bytes | None, target: str, kind: bytes | None, flags: int, data: bytes | None) -> None:
+    if libc.mount(source, target.encode(), kind, flags, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+
+
+def _private_mounts(libc: Any, cfg: Settings) -> None:
+    """In the run's own mount namespace (PID 1 of its PID namespace, still
+    root): nothing it mounts reaches the host, a /proc of its own namespace
+    (no other process of the box to read or write, whoever runs it), and a
+    fresh /tmp, /var/tmp and /dev/shm, where its home is made again, so that
+    nothing it leaves there outlives it, even a SIGKILL of fdl-prepare."""
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None)
+    _mount(libc, b"proc", "/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    for where in _PRIVATE_DIRS:
+        if os.path.isdir(where) and not os.path.islink(where):
+            _mount(libc, b"tmpfs", where, b"tmpfs", _MS_NOSUID | _MS_NODEV, _TMPFS_OPTIONS)
+    home = cfg.env.get("HOME", "")
+    if os.path.dirname(home) in _PRIVATE_DIRS and not os.path.lexists(home):
+        os.mkdir(home, 0o700)
+        if cfg.uid is not None and cfg.gid is not None:
+            os.chown(home, cfg.uid, cfg.gid)
+
+
+def _no_terminal(libc: Any) -> None:
+    """Make sure the run can reach no terminal: prepare.host.proc starts the
+    helper in a session of its own (no controlling terminal, so /dev/tty
+    cannot be opened) with pipes and /dev/null on 0-2. Checked here, for
+    any other caller: a terminal on a descriptor, or a controlling one, is a
+    step that failed, and the run does not start. Every other descriptor is
+    closed at exec, whoever opened it."""
+    for fd in (0, 1, 2):
+        if os.isatty(fd):
+            raise OSError(0, f"descriptor {fd} is a terminal")
+    try:
+        tty = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        pass
+    else:
+        os.close(tty)
+        raise OSError(0, "it has a controlling terminal")
+    if libc.close_range(3, 0xFFFFFFFF, _CLOSE_RANGE_CLOEXEC) != 0:
+        # Before Linux 5.11: one at a time.
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if int(name) > 2:
+                    os.set_inheritable(int(name), False)
 
 
 def _children(me: int) -> list[int]:
@@ -201,7 +288,10 @@ def main(argv: list[str]) -> NoReturn:
     status = cfg.status
     libc = _libc()
     mode = "reaper"
-    if cfg.pidns and libc.unshare(_CLONE_NEWPID) == 0:
+    if cfg.pidns and libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS) == 0:
+        mode = "private"
+        cfg.private = True
+    elif cfg.pidns and libc.unshare(_CLONE_NEWPID) == 0:
         mode = "pidns"
     else:
         libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

@@ -285,6 +285,14 @@ def _stage() -> tuple[str, str]:
     else:
         path = STAGE_DEFAULT
         origin = f"the default {STAGE_DEFAULT} (TMPDIR, TEMP and TMP are unset; set TMPDIR to choose)"
+    if human.printable(path) != path:
+        # Every message naming it would print it: a newline there forges a
+        # whole line of our output.
+        raise Fail(
+            "dirs.unwritable",
+            f"stage directory {human.printable(path)} (from {human.printable(origin)}) has a control character "
+            f"(or one that hides text); point {_var(origin, 'TMPDIR')} at a plain path",
+        )
     try:
         st = os.stat(path)
     except OSError as exc:

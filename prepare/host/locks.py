@@ -31,14 +31,46 @@ _FIRST_PAUSE_S = 0.05
 _LAST_PAUSE_S = 1.0
 
 
+# Where root keeps its locks (the mount locks, the smoke run's uids): a
+# directory only root can create in or open anything of, on /run (a tmpfs:
+# no lock outlives a boot).
+ROOT_DIR = "/run/fdl-prepare/locks"
+
+
+class NotPrivate(OSError):
+    """A lock directory that someone else could create in or open locks of."""
+
+
+def private_dir(path: str) -> None:
+    """Make `path` (mode 0700) when missing, and hold it to being a real
+    directory of this user's that no one else may enter: whoever can open a
+    lock file can hold it, and whoever can create in its directory can put
+    a directory, a FIFO or a lock of their own where the lock goes."""
+    parent = os.path.dirname(path)
+    with contextlib.suppress(FileExistsError):
+        os.makedirs(parent, 0o755, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    shown = human.printable(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotPrivate(errno.ENOTDIR, f"{shown} is not a directory: remove it (`sudo rm {shown}`)")
+    if st.st_uid != os.geteuid():
+        raise NotPrivate(
+            errno.EPERM,
+            f"{shown} is owned by uid {st.st_uid}, not this user: someone else made it, and could hold every lock "
+            f"in it. Remove it (`sudo rm -r {shown}`); fdl-prepare makes it again, mode 0700",
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        # Ours: tighten it, as it should have been made.
+        os.chmod(path, 0o700, follow_symlinks=False)
+
+
 def open_lock(path: str) -> int:
-    """An fd on the lock file at `path`, created if it is missing."""
-    # Read-only is enough for flock, and works on a file another user created
-    # in a sticky directory. Opening with O_CREAT an existing file owned by
-    # someone else there fails under fs.protected_regular, so create only
-    # when it is missing. Never through a symlink, and never a device or a
-    # FIFO (opening one can block or act), whoever put it there: the mount
-    # lock lives in a directory every user can write.
+    """An fd on the lock file at `path`, created (0600) if it is missing."""
+    # Read-only is enough for flock. Create only when it is missing (O_EXCL),
+    # never through a symlink, and never open a device or a FIFO (opening
+    # one can block or act), whoever put it there.
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     while True:
         try:
@@ -51,13 +83,18 @@ def open_lock(path: str) -> int:
                 os.close(fd)
                 code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
                 raise OSError(code, "not a regular file (a lock file is one)", path)
+            if stat.S_IMODE(mode) & 0o077:
+                # One an earlier version made 0644: another user who can
+                # open it can hold it. Ours to tighten (another's is not).
+                with contextlib.suppress(OSError):
+                    os.fchmod(fd, 0o600)
             return fd
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             continue
         with contextlib.suppress(OSError):
-            os.fchmod(fd, 0o644)
+            os.fchmod(fd, 0o600)
         return fd
 
 
@@ -70,6 +107,7 @@ def held(
     stuck: str,
     waiting: Callable[[str], None] | None = None,
     notes: list[str] | None = None,
+    private: bool = False,
 ) -> Iterator[None]:
     """Hold the lock at `path` for the body, waiting at most `wait_s` for it.
 
@@ -77,8 +115,11 @@ def held(
     `cannot_open` turns an error opening the file into the Fail to raise,
     and `stuck` is the message of the transient Fail when the wait runs out.
     A busy lock is said at once through `waiting` (a progress step; it gets
-    the line to show), and the wait it cost goes to `notes`, when given."""
+    the line to show), and the wait it cost goes to `notes`, when given.
+    `private`: the lock's directory is made and held to `private_dir`."""
     try:
+        if private:
+            private_dir(os.path.dirname(path))
         fd = open_lock(path)
     except OSError as err:
         raise cannot_open(err) from None

@@ -34,7 +34,7 @@ class Completed:
     # (`max_stdout`, STDERR_BYTES): the start is what goes.
     stdout_cut: int = 0
     stderr_cut: int = 0
-    # How a confined run was contained: "pidns" or "reaper" (prepare.host.confine).
+    # How a confined run was contained: "private", "pidns" or "reaper" (prepare.host.confine).
     confined: str | None = None
 
     @property
@@ -218,8 +218,9 @@ def start(
             env=dict(env) if env is not None else None,
             cwd=cwd,
             pass_fds=(status[1],) if status is not None else (),
-            # Its own process group, and it dies with us (both in the hook).
-            preexec_fn=_child_setup(),
+            # Its own process group (a session of its own, confined), and
+            # it dies with us (both in the hook).
+            preexec_fn=_child_setup(session=confine is not None),
         )
     except OSError as err:
         # Gone between the lookup and the exec, not executable by us, not a
@@ -476,12 +477,18 @@ _PR_SET_PDEATHSIG = 1
 _prctl: Callable[..., int] | None = None
 
 
-def _child_setup() -> Callable[[], None]:
+def _child_setup(*, session: bool = False) -> Callable[[], None]:
     """A preexec hook for the child.
 
     It leads a process group of its own, so a timeout or an interruption
     reaches the grandchildren too (a shell's `sleep`, sshfs's ssh) instead
-    of leaving them holding our pipes open.
+    of leaving them holding our pipes open. With `session` (the confined
+    smoke run), a session of its own, whose group it leads: a session has
+    no controlling terminal until its leader opens one, and the helper
+    never does, so nothing under it can open /dev/tty, push keystrokes into
+    the operator's shell (TIOCSTI) or write escapes to the terminal, whose
+    descriptors it never gets either (stdin /dev/null, stdout and stderr
+    pipes).
 
     It dies with us even when we are SIGKILLed (no handler runs then): an
     orphaned nix would go on and rewrite the out-links after the state lock
@@ -501,7 +508,10 @@ def _child_setup() -> Callable[[], None]:
     parent = os.getpid()
 
     def hook() -> None:
-        os.setpgid(0, 0)
+        if session:
+            os.setsid()
+        else:
+            os.setpgid(0, 0)
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(128 + signal.SIGKILL)

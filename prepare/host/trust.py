@@ -174,3 +174,37 @@ def enterable_by_others(path: str) -> bool:
         if parent == current:
             return True
         current = parent
+
+
+def open_above(path: str) -> Doubt | None:
+    """The first directory of `path` (itself and every one above it, each
+    read with lstat) that someone other than root and this user may write,
+    a sticky one (/tmp) included, or None when there is none.
+
+    Where Nix builds with its sandbox off, a build reads what lies above its
+    directory: cargo takes `.cargo/config.toml` from every parent (a
+    `rustc-wrapper` there runs as the build), and a sticky directory lets
+    any user add that entry. So unlike `doubt`, stickiness is no excuse
+    here. A group may write only when it is root's."""
+    real = os.path.realpath(path)
+    chain = [real]
+    while chain[-1] != "/":
+        chain.append(os.path.dirname(chain[-1]))
+    for current in reversed(chain):
+        try:
+            st = os.lstat(current)
+        except OSError as err:
+            return Doubt(current, f"cannot be read ({human.oserror(err)})", "make it a directory only root can write")
+        if not stat.S_ISDIR(st.st_mode):
+            return Doubt(current, "is not a directory (it changed under us)", "make it a directory only root can write")
+        if not _trusted_owner(st.st_uid):
+            return Doubt(
+                current, f"is owned by {_owner(st.st_uid)}", f"`sudo chown root: {current}`, or use another place"
+            )
+        if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != 0):
+            return Doubt(
+                current,
+                f"is writable by {_whom(st.st_mode)} (mode {stat.S_IMODE(st.st_mode):04o})",
+                "builds go where no directory above them is writable by others",
+            )
+    return None

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any
 from prepare.config.kinds import LIMITS
 from prepare.fail import Fail, Reason
 from prepare.host import human, proc, state
-from prepare.host.trust import enterable_by_others
 from prepare.nix import caches
 from prepare.nix.diagnosis import BUILD, COPY, EVALUATION, FETCH, SIGN, BuildDir, explain
 from prepare.nix.log import Log, strip_ansi
@@ -185,6 +184,9 @@ class Nix:
         # warm attempt that neither evaluates nor builds never asks.
         self._builds_settled = False
         self.version: tuple[int, int, int] | None = None
+        # Where what settling the builds finds is said (a sandbox that is
+        # off); None: nowhere.
+        self.notes: list[str] | None = None
 
     # -- flags -------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -200,7 +202,9 @@ class Nix:
         if self._builds_settled:
             return
         self._builds_settled = True
-        builds = self.where_builds()
+        said = self.settings(("build-dir", "store", "sandbox", "build-users-group"))
+        builds = self.where_builds(said)
+        self._vet_builders(said, builds)
         if builds is None:
             return
         self.builds = builds
@@ -308,7 +312,40 @@ class Nix:
             return None
         return {name: data[name].get("value") for name in names if isinstance(data.get(name), dict)}
 
-    def where_builds(self) -> BuildDir | None:
+    def _vet_builders(self, said: dict[str, Any] | None, builds: BuildDir | None) -> None:
+        """Refuse a Nix that would build the training source as root, and
+        say when it builds without its sandbox (what that exposes).
+
+        Run as root, a Nix that builds itself (not through a daemon) runs
+        each builder as one of `build-users-group`'s users; with that
+        setting empty it runs it as root, and the publisher's build line
+        then reads /etc/shadow and can copy the root-only signing key into
+        the world-readable store. Where a daemon builds, its own settings
+        decide, which a client cannot read (docs/HARDENING.md)."""
+        if said is None:
+            return
+        group = said.get("build-users-group")
+        daemon = builds is not None and builds.setting == "daemon"
+        if os.geteuid() == 0 and not daemon and isinstance(group, str) and not group.strip():
+            raise Fail(
+                "nix.builds-as-root",
+                "Nix would build the training source as root: build-users-group is empty in nix.conf "
+                "(`nix show-config | grep build-users-group`), so every builder runs with root's rights, and the "
+                "publisher's build line could read /etc/shadow or copy a root-only key into the world-readable "
+                "store. Fix: give Nix build users (`build-users-group = nixbld` in /etc/nix/nix.conf, with the "
+                "nixbld group and its users, as Nix's multi-user install makes them; on NixOS it is the default), "
+                "or run fdl-prepare as an unprivileged user with a daemon that has them",
+            )
+        if said.get("sandbox") is False and self.notes is not None:
+            self.notes.append(
+                "Nix builds here without its sandbox (sandbox = false, the default of Debian's Nix): a training "
+                "build runs as a Nix build user with the whole file system in view and the network open, and "
+                "reads what lies above its directory (cargo's .cargo/config.toml); fdl-prepare builds under a "
+                "directory only root can write, but the build still sees everything other users may read. Set "
+                "`sandbox = true` in /etc/nix/nix.conf where the kernel allows it"
+            )
+
+    def where_builds(self, said: dict[str, Any] | None = None) -> BuildDir | None:
         """Where this Nix makes a build's directory, when TMPDIR does not
         decide it: under its build-dir ("build-dir": nix.conf's, or from
         2.30 its default, `<state>/builds`) for a store it builds in
@@ -317,7 +354,8 @@ class Nix:
         without the setting, 2.8; one before 2.30 with none set), for a
         local store of its own elsewhere (`store = /root`, `local?root=`),
         or where Nix could not say: the attempt's TMPDIR covers those."""
-        said = self.settings(("build-dir", "store"))
+        if said is None:
+            said = self.settings(("build-dir", "store"))
         if said is None:
             return None
         here = self._builds_here(said.get("store"))
@@ -740,34 +778,6 @@ def _remember_version(cache_file: str, key: _VersionKey, version: tuple[int, int
     # user's directory in the way is the state vetting's to report.
     with contextlib.suppress(OSError, Fail):
         state.write_file(cache_file, data, "state directory")
-
-
-def build_tmpdir(env: Mapping[str, str]) -> str | None:
-    """A TMPDIR for nix children in which Nix's build users can build, or
-    None to leave TMPDIR as it is.
-
-    A single-user Nix run as root builds in `$TMPDIR/nix-build-*`, as the
-    nixbld users, who must be able to enter it; libpam-tmpdir hands root
-    `/tmp/user/0` at 0700, and every build then fails with "Permission
-    denied" although nothing is wrong with the flake or the source. Rather
-    than refuse such a box, Nix gets the box's shared temporary directory,
-    which is made for exactly this. Other users build as themselves or
-    through the daemon (whose own TMPDIR counts), so only root needs it."""
-    if os.geteuid() != 0:
-        return None
-    current = env.get("TMPDIR") or "/tmp"
-    if enterable_by_others(current):
-        return None
-    for candidate in ("/tmp", "/var/tmp"):
-        if enterable_by_others(candidate):
-            return candidate
-    raise Fail(
-        "nix.build-dir",
-        f"Nix's build users (nixbld) cannot enter TMPDIR={current!r}, nor /tmp or /var/tmp: a single-user Nix run "
-        'as root builds there as those users, so every build would fail with "Permission denied". This is the '
-        "box's setup, not the flake: make one of them enterable (`chmod 1777 /tmp`), or set TMPDIR to a "
-        "directory every user can enter",
-    )
 
 
 def build_result(raw: Any) -> dict[str, Any]:
