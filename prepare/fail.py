@@ -88,6 +88,7 @@ Reason = Literal[
     "source.not-published",
     "source.manifest-invalid",
     "source.cwd-escapes",
+    "source.no-cargo-lock",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
     "flake.contract-broken",
@@ -262,6 +263,9 @@ REASONS: dict[Reason, Row] = {
         TRANSIENT, "the run manifest `.fdl-run.toml` cannot be read or has a bad value: the next publish fixes it"
     ),
     "source.cwd-escapes": Row(PERMANENT, "the recipe's `cwd` leads out of the fetched source tree through a symlink"),
+    "source.no-cargo-lock": Row(
+        TRANSIENT, "the training source is a cargo project without Cargo.lock: the publisher commits it and publishes"
+    ),
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch": Row(PERMANENT, "the flake speaks another contract version than this fdl-prepare"),
     "flake.contract-broken": Row(

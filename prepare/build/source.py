@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prepare.build import manifest
+from prepare.build import crate, manifest
 from prepare.nix.runner import PendingFetch, Prefetched
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def fetch(ws: Workspace, box: SourceSpec, started: PendingFetch | None, notes: l
     found = manifest.read(fetched.store_path)
     recipe = manifest.merge(box, found, url)
     manifest.check_tree(recipe, fetched.store_path, url)
+    crate.check_lock(fetched.store_path, recipe.cwd, url, from_manifest="cwd" in recipe.from_manifest)
     notes.extend(manifest.notes_for(recipe, found, time.time()))
     return Source(fetched=fetched, recipe=recipe)
 
