@@ -62,6 +62,7 @@ Reason = Literal[
     "dirs.no-home",
     "dirs.unwritable",
     "state.untrusted",
+    "state.run-dir",
     "lock.busy",
     # Nix itself, and what a nix call said
     "nix.missing",
@@ -222,6 +223,11 @@ REASONS: dict[Reason, Row] = {
     "state.untrusted": Row(
         PERMANENT,
         "the state directory or an entry in it is a symlink, of the wrong type, owned by another user, or writable by others; or it is `/` or on a pseudo file system (`/proc`, `/sys`, `/dev`), or holds entries fdl-prepare did not make (its `recipe/` included)",
+    ),
+    "state.run-dir": Row(
+        PERMANENT,
+        "the run's writable project directory or the hand-off (`current/`, `prepared.json`) cannot be written in "
+        "the state directory: no space, or a tree past the bounds of a project directory",
     ),
     "lock.busy": Row(TRANSIENT, "another fdl-prepare held a lock (the state lock, a mount lock) past the wait"),
     # Nix itself, and what a nix call said
