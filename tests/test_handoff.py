@@ -146,7 +146,14 @@ def test_a_symlink_the_training_user_plants_in_the_run_directory_sends_no_write_
     assert first.bin is not None
     # What the training code could do in its own directory: links to what
     # it cannot write, where root would write or remove next.
-    planted = as_nobody(["/bin/sh", "-c", f"ln -s {victim} runs && ln -sf {victim}/precious README && mkdir deep && ln -s {victim} deep/up"], first.bin.cwd)
+    planted = as_nobody(
+        [
+            "/bin/sh",
+            "-c",
+            f"ln -s {victim} runs && ln -sf {victim}/precious README && mkdir deep && ln -s {victim} deep/up",
+        ],
+        first.bin.cwd,
+    )
     assert planted.returncode == 0, planted.stderr
 
     build(spec(test_flake, state, src.url))  # a re-dial: kept, nothing written in it
@@ -263,4 +270,3 @@ def test_the_offered_devices_are_cuda_ordinals_under_cuda_visible_devices_with_n
 
     assert (got.devices, got.nvml_indices, got.gpu_vendor) == (ordinals, nvml, "nvidia")
     assert got.to_json()["devices"] == list(ordinals) and got.to_json()["nvml_indices"] == list(nvml)
-
