@@ -164,6 +164,19 @@ def test_a_symlink_the_training_user_plants_in_the_run_directory_sends_no_write_
     assert (victim / "precious").read_text() == "root's\n" and os.listdir(victim) == ["precious"]
 
 
+def test_a_bin_the_build_did_not_make_is_transient_the_sources_to_fix(nix_env, test_flake, state_dir, git_source):
+    # floDl's `bin` names where the build writes, relative to cwd; a publish
+    # that names another path is fixed by the next publish, not the flake.
+    src = git_source(trainer(manifest={"bin": "target/release/train", "build": CHECKPOINTING}))
+
+    with pytest.raises(Fail) as failed:
+        build(spec(test_flake, state_dir, src.url))
+
+    assert failed.value.reason == "nix.build-failed" and not failed.value.permanent
+    assert "the build produced no file 'target/release/train' relative to cwd" in failed.value.message
+    assert "publish a run whose bin is the path the build writes" in failed.value.message
+
+
 # --- floDl's libtorch/.active, the stable links, the last Prepared --------------------------
 
 
