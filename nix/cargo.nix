@@ -113,31 +113,65 @@ rec {
   version = if isString (field "version") then field "version" else "0";
   features = attrNames (manifest.features or { });
 
-  # Where cargo leaves a release binary of that name: the workspace's
-  # target/, with and without an explicit --target; relative to the source
-  # root.
-  binCandidates = bin: [
-    (under lockDir "target/release/${bin}")
-    (under lockDir "target/*/release/${bin}")
-  ];
+  # What a recipe without a build line runs: floDl's DEFAULT_BUILD
+  # (flodl-cli's source.rs). No feature is chosen for the crate: a line
+  # that wants the vendor's says `--features "$FDL_GPU_FEATURE"`, as the
+  # line `fdl publish` derives does.
+  defaultBuild = "cargo build --release";
+
+  # floDl's `bin` (flodl-cli's source.rs): a path relative to `cwd`, which
+  # may climb out of it (`../target/release/NAME`: a workspace member's
+  # binary is in the workspace's target/) but never out of the source root.
+  # Returned relative to the source root, where the install runs.
+  binPath =
+    bin:
+    let
+      parts = filter (c: isString c && c != "" && c != ".") (split "/" "${here}/${bin}");
+      step =
+        acc: part:
+        if part != ".." then
+          acc ++ [ part ]
+        else if acc == [ ] then
+          fail "`bin` = ${quote bin} with `cwd` = ${quote here} leads out of the training source: name the binary by a path inside the tree, relative to `cwd` (floDl's `target/release/NAME`, or `../target/release/NAME` for a workspace member)"
+        else
+          builtins.genList (builtins.elemAt acc) (builtins.length acc - 1);
+      kept = builtins.foldl' step [ ] parts;
+    in
+    if kept == [ ] then
+      fail "`bin` = ${quote bin} names the source root itself: name the binary, e.g. `target/release/NAME`"
+    else
+      concatStringsSep "/" kept;
+
+  # Where to look for `bin`: the path as floDl resolves it; for a bare name
+  # (earlier releases of this project took one) also cargo's release
+  # directory, the workspace's and the crate's own.
+  binCandidates =
+    bin:
+    [ (binPath bin) ]
+    ++ (
+      if match ".*/.*" bin != null then
+        [ ]
+      else
+        map (d: under d "target/release/${bin}") (
+          # A source built by its own line may have no Cargo.lock at all.
+          (if lockDirs == [ ] then [ ] else [ (head lockDirs) ]) ++ [ here ]
+        )
+    );
 
   # Refuses, at evaluation, a source that asks for a newer Rust than
-  # `rustc` (the toolchain's version string), and a CUDA build of a crate
-  # that has no `cuda` feature to turn on. Returns true otherwise.
+  # `rustc` (the toolchain's version string). Features are the build
+  # line's business, as in floDl: `--features "$FDL_GPU_FEATURE"` where the
+  # publisher wrote it, the crate's own defaults where not. Returns true
+  # otherwise.
   check =
     {
       rustc ? null,
-      cuda ? false,
     }:
     let
       rustVersion = field "rust-version";
       channel = toolchainChannel;
     in
-    if cuda && !hasPackage then
-      fail "`cwd` = ${quote here} is a virtual workspace root (no [package]): a CUDA build turns on the crate's `cuda` feature, so set `cwd` to the crate that builds `bin`"
-    else if cuda && !(manifest ? features && manifest.features ? cuda) then
-      fail "the crate ${quote pname} in `cwd` = ${quote here} has no cargo feature `cuda`, which a CUDA variant builds with (`--features cuda`, as floDl's own build lines do): add `cuda = [\"flodl/cuda\"]` under [features] in its Cargo.toml"
-    else if
+    if
       rustc != null && isString rustVersion && versionOk rustVersion && compareVersions rustc rustVersion < 0
     then
       fail "the crate ${quote pname} declares rust-version = ${quote rustVersion}, and this flake builds with rustc ${rustc}: lower rust-version, or point `flake` at a flake whose nixpkgs has a newer Rust"

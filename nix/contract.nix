@@ -118,6 +118,15 @@ let
   # A path inside the source tree, as the run manifest spells it. Absolute
   # paths and `..` would escape the pinned tree, so they are refused.
   relativeOk = p: match "/.*" p == null && match "(.*/)?\\.\\.(/.*)?" p == null;
+  # floDl's `bin` is relative to `cwd` and may climb out of it (a workspace
+  # member's `../target/release/NAME`), never out of the source root.
+  binOk =
+    dir: p:
+    let
+      parts = builtins.filter (c: builtins.isString c && c != "" && c != ".") (builtins.split "/" "${dir}/${p}");
+      depth = builtins.foldl' (d: c: if d < 0 then d else if c == ".." then d - 1 else d + 1) 0 parts;
+    in
+    match "/.*" p == null && depth > 0;
 
   recipeFile = "${recipe}/recipe.json";
 
@@ -142,10 +151,10 @@ let
       fail "recipe.json speaks contract ${quote (r.contract or null)}, this flake speaks contract ${toString contract}: upgrade fdl-prepare or point `flake` at a matching flake"
     else if bin == null || bin == "" then
       fail "recipe.json has no `bin`: set `bin` in the run manifest (.fdl-run.toml) or `bin` under [join.source]"
-    else if !(isString bin) || !(relativeOk bin) then
-      fail "recipe.json `bin` = ${quote bin} must be a name or a path relative to `cwd`, without `..`"
     else if !(isString cwd) || !(relativeOk cwd) then
       fail "recipe.json `cwd` = ${quote cwd} must be a directory relative to the source root, without `..`"
+    else if !(isString bin) || !(binOk cwd bin) then
+      fail "recipe.json `bin` = ${quote bin} must be a path relative to `cwd` that stays inside the training source (`target/release/NAME`, or `../target/release/NAME` for a workspace member)"
     else if !(pathExists "${source}/${cwd}") then
       fail "recipe.json `cwd` = ${quote cwd} does not exist in the training source; fix `cwd` in .fdl-run.toml or [join.source]"
     else if !(build == null || isString build) then

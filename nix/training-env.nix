@@ -47,16 +47,14 @@ in
   # the test flake passes it to the linker.
   driverDir = "/run/opengl-driver/lib";
 
-  # The cargo feature a CUDA build turns on, as floDl's own build lines do
-  # (`cargo build --features "$FDL_GPU_FEATURE"`).
-  features = if cuda == null then [ ] else [ "cuda" ];
-
   env = {
     # tch-rs' convention, for sources built on tch: torch-sys appends lib/
     # and include/ to these itself.
     LIBTORCH = out;
     LIBTORCH_LIB = out;
     LIBTORCH_INCLUDE = dev;
+    # floDl's build_env: the vendor's cargo feature, empty for a CPU
+    # variant (cargo takes `--features ""`).
     FDL_GPU_FEATURE = if cuda == null then "" else "cuda";
     # Linker arguments, as nixpkgs' ld-wrapper takes them (and the test
     # flake's stand-in for it).

@@ -45,26 +45,18 @@ let
         inherit libtorch;
         cuda = cudaParts;
       };
-  features = if env == null then [ ] else env.features;
 
-  # A bare name is looked up where cargo leaves release binaries (the
-  # workspace's target/, with and without an explicit --target); a path is
-  # taken relative to `cwd`. Both relative to the source root, where the
-  # install phase runs. Shell words: each part is quoted, the `*` between
-  # them left to the shell.
-  isPath = lib.hasInfix "/" bin;
-  searched = if isPath then [ "${crate.cwd}/${bin}" ] else crate.binCandidates bin;
-  shellGlob = c: lib.concatStringsSep "*" (map lib.escapeShellArg (lib.splitString "*" c));
-  candidates = if isPath then map lib.escapeShellArg searched else map shellGlob searched;
+  # floDl's build (flodl-cli's source.rs): the build line, or its default,
+  # run in `cwd`; `bin` a path relative to `cwd`, which may climb to the
+  # workspace root, never out of the source. Relative to the source root,
+  # where the install phase runs; each candidate one quoted shell word.
+  line = if build == null then crate.defaultBuild else build;
+  searched = crate.binCandidates bin;
+  candidates = map lib.escapeShellArg searched;
 
-  inSubdir = crate.cwd != ".";
   lockInSubdir = crate.lockDir != ".";
 in
-# A build line decides its own features; cargo's default build turns on `cuda`.
-assert crate.check {
-  rustc = rustc.version;
-  cuda = cuda != null && build == null;
-};
+assert crate.check { rustc = rustc.version; };
 rustPlatform.buildRustPackage (
   {
     pname = "${crate.pname}-${if variant == null then "notorch" else variant}";
@@ -84,9 +76,24 @@ rustPlatform.buildRustPackage (
     # would run on a box that has no GPU visible to the build.
     doCheck = false;
 
-    buildFeatures = features;
-
     preBuild = lib.optionalString (env != null) env.roots;
+
+    # The build line, or floDl's default, in `cwd`, as `fdl join` runs it on
+    # a box: cargo's own target directory (nixpkgs' cargoBuildHook would put
+    # it at the source root, under a --target triple, where a floDl `bin`
+    # does not look), the vendored, offline cargo config from
+    # cargoSetupHook found above `cwd`, the environment below. Offline for
+    # any line, not only cargo's default: the dependencies are vendored.
+    buildPhase = ''
+      runHook preBuild
+      unset CARGO_TARGET_DIR CARGO_BUILD_TARGET
+      export CARGO_NET_OFFLINE=true
+      (
+        cd ${lib.escapeShellArg crate.cwd}
+        ${line}
+      )
+      runHook postBuild
+    '';
 
     # Install the recipe's binary only: a workspace may build helpers the run
     # never starts, and a missing `bin` must fail here, loudly, not at launch.
@@ -94,20 +101,19 @@ rustPlatform.buildRustPackage (
       runHook preInstall
       found=
       for f in ${lib.concatStringsSep " " candidates}; do
-        if [ -f "$f" ] && [ -x "$f" ]; then found=$f; break; fi
+        if [ -f "$f" ]; then found=$f; break; fi
       done
       if [ -z "$found" ]; then
         echo ${
-          lib.escapeShellArg "fdl-prepare: the build produced no executable `${bin}` (looked in ${lib.concatStringsSep ", " searched});"
+          lib.escapeShellArg "fdl-prepare: the build produced no file `${bin}` relative to `cwd` = ${crate.cwd} (looked for ${lib.concatStringsSep ", " searched} in the source);"
         } >&2
-        echo "fdl-prepare: set \`bin\` in .fdl-run.toml or source.bin to a binary this build makes" >&2
+        echo "fdl-prepare: publish a run whose \`bin\` is the path the build writes, relative to \`cwd\` (target/release/NAME; ../target/release/NAME for a workspace member)" >&2
         exit 1
       fi
       install -Dm755 "$found" "$out/bin/"${lib.escapeShellArg (baseNameOf bin)}
       runHook postInstall
     '';
   }
-  // lib.optionalAttrs inSubdir { buildAndTestSubdir = crate.cwd; }
   # cargoSetupHook compares the vendored lock with the source's, found here.
   // lib.optionalAttrs lockInSubdir { cargoRoot = crate.lockDir; }
   // lib.optionalAttrs (env != null) { inherit (env) env; }
@@ -120,18 +126,5 @@ rustPlatform.buildRustPackage (
       cudaPackages.nccl
     ];
     nativeBuildInputs = [ autoAddDriverRunpath ];
-  }
-  # A recipe with its own build line replaces cargo's default build, in
-  # `cwd`; the vendored, offline cargo config from cargoSetupHook and the
-  # environment above are already in place.
-  // lib.optionalAttrs (build != null) {
-    buildPhase = ''
-      runHook preBuild
-      (
-        cd ${lib.escapeShellArg crate.cwd}
-        ${build}
-      )
-      runHook postBuild
-    '';
   }
 )

@@ -62,6 +62,7 @@ Reason = Literal[
     "dirs.no-home",
     "dirs.unwritable",
     "state.untrusted",
+    "state.run-dir",
     "lock.busy",
     # Nix itself, and what a nix call said
     "nix.missing",
@@ -92,6 +93,7 @@ Reason = Literal[
     "source.missing",
     "source.host-key",
     "source.rsync-missing",
+    "source.no-cargo-lock",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
     "flake.contract-broken",
@@ -228,6 +230,11 @@ REASONS: dict[Reason, Row] = {
         PERMANENT,
         "the state directory or an entry in it is a symlink, of the wrong type, owned by another user, or writable by others; or it is `/` or on a pseudo file system (`/proc`, `/sys`, `/dev`), or holds entries fdl-prepare did not make (its `recipe/` included)",
     ),
+    "state.run-dir": Row(
+        PERMANENT,
+        "the run's writable project directory or the hand-off (`current/`, `prepared.json`) cannot be written in "
+        "the state directory: no space, or a tree past the bounds of a project directory",
+    ),
     "lock.busy": Row(TRANSIENT, "another fdl-prepare held a lock (the state lock, a mount lock) past the wait"),
     # Nix itself, and what a nix call said
     "nix.missing": Row(PERMANENT, "`nix` is not on `PATH`"),
@@ -283,6 +290,9 @@ REASONS: dict[Reason, Row] = {
         PERMANENT, "an `rsync://` source's host has a host key ssh does not know or one other than known_hosts holds"
     ),
     "source.rsync-missing": Row(PERMANENT, "a `file://` or `rsync://` source needs rsync, which is not installed"),
+    "source.no-cargo-lock": Row(
+        TRANSIENT, "the training source is a cargo project without Cargo.lock: the publisher commits it and publishes"
+    ),
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch": Row(PERMANENT, "the flake speaks another contract version than this fdl-prepare"),
     "flake.contract-broken": Row(

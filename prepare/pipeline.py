@@ -164,7 +164,15 @@ def _build(a: Attempt) -> Attempt:
     from prepare.build import warm
 
     assert a.plan.build is not None and a.workspace is not None and a.choice is not None
-    return replace(a, built=warm.build(a.plan.build, a.workspace, a.choice, a.source, a.gpus, a.notes))
+    built = warm.build(a.plan.build, a.workspace, a.choice, a.source, a.gpus, a.notes)
+    if built.bin is not None and a.source is not None:
+        # The run's cwd made writable before the smoke run starts in it.
+        from prepare import handoff
+        from prepare.build import rundir
+
+        owner = handoff.owner(handoff.training_user(a.plan))
+        built = rundir.provide(a.workspace.state, built, a.source, owner, a.notes)
+    return replace(a, built=built)
 
 
 def _smoke(a: Attempt) -> Attempt:
@@ -351,7 +359,13 @@ def run(
             finally:
                 timings[step.name] = round(time.monotonic() - start, 4)
                 _tell(progress, {"type": "step-done", "name": step.name, "seconds": timings[step.name], "ok": ok})
-    return _prepared(attempt, timings)
+        done = _prepared(attempt, timings)
+        if attempt.workspace is not None:
+            # Only a prepared box hands off, and under the state lock.
+            from prepare import handoff
+
+            handoff.hand_off(plan, attempt.workspace.state, done, notes)
+    return done
 
 
 def check(spec: PrepareSpec, notes: list[str], *, progress: Progress | None = None) -> Checked:
@@ -422,6 +436,12 @@ def _prepared(a: Attempt, timings: dict[str, float]) -> Prepared:
     # leaves them idle but they stay offered, in the numbering auto favours).
     variant = built.variant if built is not None else None
     vendor, devices = (None, None) if a.gpus is None else a.gpus.offered_for(variant.vendor if variant else None)
+    nvml = None
+    if a.gpus is not None and devices is not None and vendor != "amd":
+        # floDl's ranks take CUDA ordinals; NVML's indices stay beside them.
+        from prepare.handoff import cuda_ordinals
+
+        nvml, devices = devices, cuda_ordinals(a.gpus, devices)
     return Prepared(
         data_path=a.data_path,
         libtorch=built.libtorch if built else None,
@@ -430,5 +450,6 @@ def _prepared(a: Attempt, timings: dict[str, float]) -> Prepared:
         run_id=built.run_id if built else None,
         devices=devices,
         gpu_vendor=vendor,
+        nvml_indices=nvml,
         timings=timings,
     )

@@ -183,11 +183,17 @@ class Prepared:
     bin: Binary | None = None
     args: tuple[str, ...] | None = None
     run_id: str | None = None
-    # Device indices offered to the run (after masks); None when the gate was skipped.
+    # The devices offered to the run (after masks), as the run's runtime
+    # numbers them: NVIDIA's as CUDA ordinals in a process under this
+    # CUDA_VISIBLE_DEVICES (what floDl's `devices:` and ranks take), AMD's in
+    # ROCm's numbering; None when the gate was skipped.
     devices: tuple[int, ...] | None = None
-    # Whose numbering `devices` is in: "nvidia" (NVML's, for CUDA_VISIBLE_DEVICES)
-    # or "amd" (ROCm's, for ROCR_VISIBLE_DEVICES); None when the gate was skipped.
+    # Whose numbering `devices` is in: "nvidia" (CUDA's) or "amd" (ROCm's);
+    # None when the gate was skipped.
     gpu_vendor: str | None = None
+    # NVIDIA's offered devices by NVML index (nvidia-smi's), in the order of
+    # `devices`; None for AMD or when the gate was skipped.
+    nvml_indices: tuple[int, ...] | None = None
     # Seconds spent in each step, in pipeline order. Not part of equality:
     # two attempts that prepared the same thing are the same Prepared.
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -198,6 +204,8 @@ class Prepared:
             out["args"] = list(self.args)
         if self.devices is not None:
             out["devices"] = list(self.devices)
+        if self.nvml_indices is not None:
+            out["nvml_indices"] = list(self.nvml_indices)
         return out
 
 

@@ -499,7 +499,8 @@ def workspace(root: Path, *, features: str = "", lock: bool = True, extra: str =
 
 
 PRODUCTION_TRAINING = (
-    "t: { inherit (t) pname version src env doCheck builtWith buildFeatures preBuild; lock = t.cargoLock.lockFile;"
+    "t: { inherit (t) pname version src env doCheck builtWith preBuild buildPhase installPhase;"
+    " lock = t.cargoLock.lockFile; features = t.buildFeatures or null;"
     " subdir = t.buildAndTestSubdir or null; cargoRoot = t.cargoRoot or null;"
     " buildInputs = map toString (t.buildInputs or [ ]); nativeBuildInputs = map toString (t.nativeBuildInputs or [ ]); }"
 )
@@ -554,8 +555,18 @@ def test_the_production_training_build_sets_libtorch_path_and_builds_the_member_
     assert training["env"]["LIBTORCH_INCLUDE"] == libtorch["dev"]
     # The whole tree, the member picked by cwd, the lock from the workspace root.
     assert training["src"].endswith("-fdl-training-source")
-    assert training["subdir"] == "crates/train" and training["cargoRoot"] is None
+    assert training["subdir"] is None and training["cargoRoot"] is None
     assert training["lock"] == training["src"] + "/Cargo.lock"
+    # floDl's build: its default line in cwd, cargo's own target directory
+    # (not cargoBuildHook's, at the source root under a --target triple),
+    # no feature chosen for the crate; `bin` relative to cwd.
+    assert "unset CARGO_TARGET_DIR CARGO_BUILD_TARGET" in training["buildPhase"]
+    assert "cd crates/train\n  cargo build --release\n" in training["buildPhase"].replace("    ", "  ")
+    assert "--target" not in training["buildPhase"] and training["features"] is None
+    assert (
+        "for f in crates/train/train target/release/train crates/train/target/release/train;"
+        in (training["installPhase"])
+    )
     assert (training["pname"], training["version"], training["doCheck"]) == ("trainer-cpu", "0.3.1", False)
 
 
@@ -571,7 +582,8 @@ def test_a_cuda_variants_training_build_carries_the_cuda_feature_cuda_home_nccl_
 
     cudart = "/nix/store/00000000000000000000000000000000-cuda_cudart-12.8"
     nccl = "/nix/store/00000000000000000000000000000000-nccl-12.8-out"
-    assert training["buildFeatures"] == ["cuda"] and training["env"]["FDL_GPU_FEATURE"] == "cuda"
+    # The vendor's feature is the build line's to use (floDl's build_env).
+    assert training["features"] is None and training["env"]["FDL_GPU_FEATURE"] == "cuda"
     # CUDA_HOME from the variant's own CUDA (cudaPackages_12_8), with the
     # lib64/ flodl-sys links cudart from.
     assert f"ln -sfn '{cudart}-include/include' \"$fdl_roots/cuda/include\"" in training["preBuild"]
@@ -588,10 +600,46 @@ def test_a_cpu_variants_training_build_carries_none_of_the_cuda_parts(env, produ
 
     training = production_training(env, production, nixpkgs, tmp_path, tree, libtorch="cpu", cwd="crates/train")
 
-    assert training["buildFeatures"] == [] and training["env"]["FDL_GPU_FEATURE"] == ""
+    assert training["features"] is None and training["env"]["FDL_GPU_FEATURE"] == ""
     assert "CUDA_HOME" not in training["preBuild"] and "cuda" not in training["env"]["NIX_LDFLAGS"]
     assert training["buildInputs"] == [] and training["nativeBuildInputs"] == []
     assert "FDL_CUDA_VERSION" not in training["env"]
+
+
+def test_the_production_build_runs_floDls_build_line_in_cwd_and_finds_a_members_bin_at_the_workspace_root(
+    env, production, nixpkgs, tmp_path
+):
+    tree = workspace(tmp_path / "source")
+    line = 'cargo build --release --features "$FDL_GPU_FEATURE" --bin train'
+
+    training = production_training(
+        env,
+        production,
+        nixpkgs,
+        tmp_path,
+        tree,
+        libtorch="cu128",
+        cwd="crates/train",
+        build=line,
+        bin="../../target/release/train",
+    )
+
+    assert f"cd crates/train\n  {line}\n" in training["buildPhase"].replace("    ", "  ")
+    assert "export CARGO_NET_OFFLINE=true" in training["buildPhase"]
+    assert training["env"]["FDL_GPU_FEATURE"] == "cuda" and training["features"] is None
+    # `bin` as floDl resolves it, relative to cwd: the workspace's target/.
+    assert "for f in target/release/train;" in training["installPhase"]
+    assert 'install -Dm755 "$found" "$out/bin/"train' in training["installPhase"]
+
+
+def test_a_bin_leading_out_of_the_source_is_refused_at_evaluation(env, production, nixpkgs, tmp_path):
+    tree = workspace(tmp_path / "source")
+
+    stderr = production_refusal(
+        env, production, nixpkgs, tmp_path, tree, libtorch="cpu", cwd="crates/train", bin="../../../train"
+    )
+
+    assert 'recipe.json `bin` = "../../../train" must be a path relative to `cwd` that stays inside' in stderr
 
 
 def test_the_production_flake_allows_exactly_the_unfree_cuda_packages_a_cuda_build_needs(
@@ -653,12 +701,6 @@ def test_the_production_flake_instantiates_nixpkgs_once_per_system(env, producti
             {"libtorch": "cpu", "cwd": "crates/train"},
             'has no Cargo.lock in `cwd` = "crates/train" or any directory above it: commit Cargo.lock',
             id="no-cargo-lock",
-        ),
-        pytest.param(
-            "no-cuda-feature",
-            {"libtorch": "cu128", "cwd": "crates/train"},
-            "has no cargo feature `cuda`, which a CUDA variant builds with",
-            id="no-cuda-feature",
         ),
         pytest.param(
             "rust-version",

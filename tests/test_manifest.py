@@ -280,3 +280,18 @@ def test_an_over_long_manifest_value_is_transient_naming_the_limit(text, words):
     assert not fail.permanent and fail.reason == "source.manifest-invalid"
     assert words in fail.message and "4 KiB a URL, 16 KiB any other value, 64 KiB a list in all" in fail.message
     assert len(fail.message) < 1000
+
+
+def test_a_members_bin_may_climb_out_of_cwd_to_the_workspace_target_never_out_of_the_source():
+    # floDl's `bin` is relative to `cwd`: a member names the workspace's target/.
+    got = merge(SourceSpec(from_=URL), Manifest(bin="../target/release/app", cwd="crates/app"), URL)
+    assert (got.cwd, got.bin) == ("crates/app", "../target/release/app")
+    check_box(SourceSpec(from_=URL, cwd="app", bin="../target/release/app"))
+
+    with pytest.raises(Fail) as caught:
+        merge(SourceSpec(from_=URL), Manifest(bin="../../target/release/app", cwd="crates"), URL)
+    assert caught.value.reason == "source.manifest-invalid" and not caught.value.permanent
+    assert "that stays inside the source" in caught.value.message
+    with pytest.raises(Fail) as caught:
+        check_box(SourceSpec(from_=URL, bin="../target/release/app"))
+    assert caught.value.reason == "config.invalid" and caught.value.permanent

@@ -217,18 +217,24 @@ def _read_file(path: str) -> bytes:
     return raw
 
 
-def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool) -> str:
-    """cwd and bin name places inside the source tree (or the build output):
-    an absolute path or one climbing out with `..` would build or run
-    something the pinned tree does not contain."""
+def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool, cwd: str = ".") -> str:
+    """cwd and bin name places inside the source tree: an absolute path, or
+    one climbing out of the tree, would build or run something the pinned
+    tree does not contain. `bin` is floDl's, relative to `cwd`, and may
+    climb out of it (`../target/release/NAME`: a workspace member's binary
+    is in the workspace's target/), never out of the source root."""
     norm = posixpath.normpath(value.strip()) if value.strip() else ""
-    bad = not norm or posixpath.isabs(norm) or norm == ".." or norm.startswith("../") or (norm == "." and not allow_dot)
+    climbs = norm == ".." or norm.startswith("../")
+    if climbs and key == "bin":
+        inside = posixpath.normpath(posixpath.join(cwd, norm))
+        climbs = inside == ".." or inside.startswith("../") or inside == "."
+    bad = not norm or posixpath.isabs(norm) or climbs or (norm == "." and not allow_dot)
     if not bad:
         return norm
     rule = (
         "a path relative to the source root, without '..'"
         if key == "cwd"
-        else "a name or a relative path, without '..'"
+        else f"a path relative to cwd ({cwd!r}) that stays inside the source, e.g. 'target/release/NAME'"
     )
     if from_manifest:
         raise Fail(
@@ -269,8 +275,8 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
             f"the run manifest {FILENAME} in {source_url!r} names no bin and the box declares none: publish a "
             f"manifest with bin, or set source.bin (--source-bin)",
         )
-    bin_ = _relative(got["bin"], "bin", origin_of["bin"], allow_dot=False)
     cwd = _relative(got["cwd"], "cwd", origin_of["cwd"], allow_dot=True) if got["cwd"] else "."
+    bin_ = _relative(got["bin"], "bin", origin_of["bin"], allow_dot=False, cwd=cwd)
     build = got["build"] if got["build"] and got["build"].strip() else None
     return Recipe(
         bin=bin_,
@@ -379,7 +385,10 @@ def check_box(box: Any) -> None:
     value there is permanent whatever gets published."""
     if box is None:
         return
-    for key, allow_dot in (("bin", False), ("cwd", True)):
-        value = getattr(box, key, None)
-        if value is not None:
-            _relative(value, key, False, allow_dot=allow_dot)
+    cwd = getattr(box, "cwd", None)
+    if cwd is not None:
+        cwd = _relative(cwd, "cwd", False, allow_dot=True)
+    value = getattr(box, "bin", None)
+    if value is not None:
+        # Judged against the box's cwd; a manifest's cwd is judged again at merge.
+        _relative(value, "bin", False, allow_dot=False, cwd=cwd or ".")

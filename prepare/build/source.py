@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from prepare.build import manifest, transport
+from prepare.build import crate, manifest, transport
 from prepare.fail import Fail
 from prepare.nix import urls
 from prepare.nix.runner import PendingFetch, Prefetched
@@ -94,6 +94,7 @@ def fetch(ws: Workspace, box: SourceSpec, started: PendingFetch | None, notes: l
     found = manifest.read(fetched.store_path)
     recipe = manifest.merge(box, found, url)
     manifest.check_tree(recipe, fetched.store_path, url)
+    crate.check_lock(fetched.store_path, recipe.cwd, url, from_manifest="cwd" in recipe.from_manifest)
     notes.extend(manifest.notes_for(recipe, found, time.time()))
     return Source(fetched=fetched, recipe=recipe)
 

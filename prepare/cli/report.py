@@ -360,7 +360,10 @@ def _prepared(report: Report, done: Any, seconds: float) -> None:
     if done.devices is None:
         rows.append(("gpus", "gate skipped (--cpu-only)"))
     else:
-        rows.append(("gpus", ", ".join(str(i) for i in done.devices)))
+        said = ", ".join(str(i) for i in done.devices)
+        if done.nvml_indices is not None and done.nvml_indices != done.devices:
+            said += f"  (CUDA ordinals; NVML {', '.join(str(i) for i in done.nvml_indices)})"
+        rows.append(("gpus", said))
     rows.append(("data", done.data_path or "(none declared)"))
     if done.libtorch is not None:
         rows.append(("libtorch", f"{done.libtorch.variant}  {done.libtorch.path}"))

@@ -3,9 +3,12 @@
 `<state>` holds what the build steps keep between attempts: the GC roots
 (`gcroots/`), the recipe handed to the flake (`recipe/recipe.json`), the
 state lock, the warm-path record, the empty flake registry and the cached
-Nix version. fdl-prepare runs as root and replaces and prunes entries here,
-so an entry that is a symlink would send those writes, and the recipe's
-stray removal, wherever the link points.
+Nix version; and the hand-off to `fdl join` (prepare.handoff): the runs'
+writable project directories (`runs/`), the links to the current binary
+(`current/`) and the last Prepared (`prepared.json`). fdl-prepare runs as
+root and replaces and prunes entries here, so an entry that is a symlink
+would send those writes, and the recipe's stray removal, wherever the link
+points.
 
 It is never `/` or a directory of a pseudo file system (/proc, /sys,
 /dev, cgroups: nothing there is a place to keep state, and writing there
@@ -50,6 +53,12 @@ ENTRIES = {
     "nix-version.json": False,
     "nix-tmp": False,
     "sources": True,
+    # The hand-off to `fdl join` (prepare.handoff): the runs' project
+    # directories (each the training user's, below root's `runs/`), the
+    # stable links to the current binary, and the last Prepared.
+    "runs": True,
+    "current": True,
+    "prepared.json": False,
 }
 # Entries ours that are not vetted as ENTRIES are: a publish's own state
 # directory (`<state>/publish`, vetted when a publish uses it).
@@ -85,6 +94,9 @@ ENTRY_NAMES = {
     "nix-version.json": "cached Nix version",
     "nix-tmp": "record of Nix's build directories",
     "sources": "copies of training sources",
+    "runs": "run directories",
+    "current": "links to the current run",
+    "prepared.json": "last Prepared",
 }
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -183,35 +183,26 @@ let
     printf '%s' "$ldWrapper" > "$NIX_BUILD_TOP/fdl-bin/cc"
     chmod +x "$NIX_BUILD_TOP/fdl-bin/cc"
     export PATH="$NIX_BUILD_TOP/fdl-bin:$PATH" CARGO_HOME="$NIX_BUILD_TOP/cargo-home"
-    if [ "$cargo" = 1 ]; then
-      cd "$work/$cwd"
-      # shellcheck disable=SC2086 # the features are one word each
-      /usr/bin/cargo build --release --offline $cargoFeatures || {
-        rc=$?
-        echo "fdl-prepare test flake: cargo build exited $rc" >&2
-        exit "$rc"
-      }
-      cd "$work"
-      found=
-      for f in $candidates; do
-        if [ -f "$f" ] && [ -x "$f" ]; then found=$f; break; fi
-      done
-      if [ -z "$found" ]; then
-        echo "fdl-prepare test flake: the build produced no executable '$bin' (looked in $candidates); set bin in .fdl-run.toml or source.bin" >&2
-        exit 1
-      fi
-    else
-      cd "$work/$cwd"
-      /bin/sh -c "$build" || {
-        rc=$?
-        echo "fdl-prepare test flake: the build line exited $rc" >&2
-        exit "$rc"
-      }
-      if [ ! -f "$bin" ]; then
-        echo "fdl-prepare test flake: the build produced no file '$bin' in '$cwd'; set bin in .fdl-run.toml or source.bin" >&2
-        exit 1
-      fi
-      found="$bin"
+    # As the production toolchain runs it (nix/training.nix): the build
+    # line, or floDl's default, in `cwd`, offline, cargo's own target dir.
+    export CARGO_NET_OFFLINE=true
+    unset CARGO_TARGET_DIR CARGO_BUILD_TARGET
+    cd "$work/$cwd"
+    /bin/sh -c "$build" || {
+      rc=$?
+      echo "fdl-prepare test flake: the build line exited $rc" >&2
+      exit "$rc"
+    }
+    cd "$work"
+    found=
+    while IFS= read -r f; do
+      if [ -f "$f" ]; then found=$f; break; fi
+    done <<EOF
+    $candidates
+    EOF
+    if [ -z "$found" ]; then
+      echo "fdl-prepare test flake: the build produced no file '$bin' relative to cwd '$cwd' (looked for: $(printf '%s' "$candidates" | tr '\n' ' ')); publish a run whose bin is the path the build writes, relative to cwd (target/release/NAME; ../target/release/NAME for a workspace member)" >&2
+      exit 1
     fi
     mkdir -p "$out/bin"
     cp "$found" "$out/bin/$binName"
@@ -222,12 +213,12 @@ in
   libtorch-bin = if standInCpu then mkLibtorch { } else realLibtorch;
   inherit mkLibtorch torchWheel;
 
-  # A recipe with a build line runs it with /bin/sh in a writable copy of
-  # the source at `cwd`, then installs `bin`: a test steers success, failure
-  # (exit 3), a hang (sleep) or a change through the source tree alone.
-  # Without one, it builds the crate at `cwd` as the production flake does:
-  # `cargo build --release --offline` with LIBTORCH_PATH, the RUNPATH at
-  # libtorch's lib/ in the store, `--features cuda` for a CUDA variant.
+  # The recipe's build line (a test steers success, failure (exit 3), a
+  # hang (sleep) or a change through the source tree alone), or without
+  # one floDl's `cargo build --release`, runs with /bin/sh in a writable
+  # copy of the source at `cwd`, as the production flake runs it: offline,
+  # LIBTORCH_PATH and FDL_GPU_FEATURE set, the RUNPATH at libtorch's lib/ in
+  # the store; then `bin`, relative to `cwd`, is installed.
   buildTraining =
     {
       src,
@@ -250,8 +241,10 @@ in
             inherit libtorch;
             cuda = cudaParts;
           };
+      # Without a build line the recipe is floDl's default, a cargo build,
+      # whose crate is checked as the production toolchain checks it.
       useCargo = build == null;
-      checked = if useCargo then crate.check { cuda = cuda != null; } else true;
+      checked = if useCargo then builtins.seq crate.lockDir (crate.check { }) else true;
       ldflags =
         if env == null then
           ""
@@ -270,8 +263,9 @@ in
           ldWrapper
           ;
         binName = baseNameOf bin;
-        build = if build == null then "" else build;
-        cargo = if useCargo then "1" else "0";
+        build = if build == null then crate.defaultBuild else build;
+        # One path a line, relative to the source root.
+        candidates = builtins.concatStringsSep "\n" (crate.binCandidates bin);
         builder = sh;
         args = [
           "-c"
@@ -280,21 +274,6 @@ in
         PATH = hostPath;
         FDL_LIBTORCH_VARIANT = if variant == null then "" else variant;
       }
-      // (
-        if useCargo then
-          {
-            candidates = builtins.concatStringsSep " " (
-              if builtins.match ".*/.*" bin != null then [ "${crate.cwd}/${bin}" ] else crate.binCandidates bin
-            );
-            cargoFeatures =
-              if env == null || env.features == [ ] then
-                ""
-              else
-                "--features ${builtins.concatStringsSep "," env.features}";
-          }
-        else
-          { }
-      )
       // (
         if env == null then
           { }
