@@ -488,7 +488,7 @@ def test_without_a_training_user_the_plan_keeps_todays_directories_and_smoke_use
     from prepare.spec import PrepareSpec
 
     planned = plan(PrepareSpec())
-    assert planned.user is None and planned.smoke.user == "nobody"
+    assert planned.user is None and planned.smoke.user == "dynamic"
 
 
 def test_the_training_user_is_the_smoke_runs_user(trainer):

@@ -56,7 +56,10 @@ def flodl_home(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) 
 
 
 def spec(flake: str, state_dir: str, source: str) -> PrepareSpec:
-    return PrepareSpec(source=SourceSpec(from_=source), libtorch="cpu", cpu_only=True, flake=flake, state_dir=state_dir)
+    # The training user (`user`) owns the run directory and the hand-off.
+    return PrepareSpec(
+        source=SourceSpec(from_=source), libtorch="cpu", cpu_only=True, flake=flake, state_dir=state_dir, user="nobody"
+    )
 
 
 def as_nobody(argv: list[str], cwd: str) -> subprocess.CompletedProcess[str]:
