@@ -51,6 +51,7 @@ python3Packages.buildPythonApplication {
   # rich: the live progress display on a terminal (the `live` extra).
   dependencies = with python3Packages; [
     nvidia-ml-py
+    pyyaml
     rich
   ];
 

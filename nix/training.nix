@@ -100,7 +100,7 @@ rustPlatform.buildRustPackage (
         echo ${
           lib.escapeShellArg "fdl-prepare: the build produced no executable `${bin}` (looked in ${lib.concatStringsSep ", " searched});"
         } >&2
-        echo "fdl-prepare: set \`bin\` in .fdl-run.toml or source.bin to a binary this build makes" >&2
+        echo "fdl-prepare: set \`bin\` in .fdl-run.yml or source.bin to a binary this build makes" >&2
         exit 1
       fi
       install -Dm755 "$found" "$out/bin/"${lib.escapeShellArg (baseNameOf bin)}

@@ -197,7 +197,7 @@ let
         if [ -f "$f" ] && [ -x "$f" ]; then found=$f; break; fi
       done
       if [ -z "$found" ]; then
-        echo "fdl-prepare test flake: the build produced no executable '$bin' (looked in $candidates); set bin in .fdl-run.toml or source.bin" >&2
+        echo "fdl-prepare test flake: the build produced no executable '$bin' (looked in $candidates); set bin in .fdl-run.yml or source.bin" >&2
         exit 1
       fi
     else
@@ -208,7 +208,7 @@ let
         exit "$rc"
       }
       if [ ! -f "$bin" ]; then
-        echo "fdl-prepare test flake: the build produced no file '$bin' in '$cwd'; set bin in .fdl-run.toml or source.bin" >&2
+        echo "fdl-prepare test flake: the build produced no file '$bin' in '$cwd'; set bin in .fdl-run.yml or source.bin" >&2
         exit 1
       fi
       found="$bin"
