@@ -541,6 +541,8 @@ def test_publish_writes_flodls_two_run_files_which_a_box_reads_and_checks_the_tr
     assert written["bin"] == "train" and written["args"] == ["--epochs", "3"] and written["built"] is True
     assert written["run"] == done.run_id and len(done.run_id) == 32 and int(done.run_id, 16) >= 0
     assert set(written["digest"]) == {"sha256", "files", "bytes"} and written["digest"]["files"] == 2
+    # The sidecar first, the manifest last: its presence is the commit point.
+    assert (src.path / DIGEST).stat().st_mtime_ns <= (src.path / MANIFEST).stat().st_mtime_ns
     sidecar = (src.path / DIGEST).read_text()
     assert [line.split("  ", 1)[1] for line in sidecar.splitlines()] == ["README", "crate/src/lib.rs"]
     assert any("tree: 2 files" in n and DIGEST in n for n in notes)
