@@ -212,8 +212,10 @@ BILLION_LAUGHS = (
         ("bin: " + "[" * 100 + "]" * 100 + "\n", "nested more than 16 levels deep"),
         ("bin: t\nx: " + "{a: " * 17 + "1" + "}" * 17 + "\n", "nested more than 16 levels deep"),
         ("bin: t\nx: [" + ", ".join(["[]"] * 60_000) + "]\n", "more than 50000 values"),
+        # What once made one 765 KB note: 85,000 keys, never built into a table.
+        ("bin: t\n" + "".join(f"k{i}: 1\n" for i in range(85_000)), "more than 50000 values"),
     ],
-    ids=["billion-laughs", "alias", "anchor", "deep-lists", "deep-maps", "wide"],
+    ids=["billion-laughs", "alias", "anchor", "deep-lists", "deep-maps", "wide", "85000-unknown-keys"],
 )
 def test_yaml_bombs_are_refused_before_anything_expands(text, words):
     started = time.monotonic()
