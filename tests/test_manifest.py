@@ -649,3 +649,14 @@ def test_the_example_trainer_carries_flodls_run_files_and_matches_its_digest():
     elapsed = time.perf_counter() - started
     assert "matches its digest (5 files" in notes[0], "run scripts/example-digest after editing examples/trainer"
     assert elapsed < 5
+
+
+def test_a_tree_of_more_entries_than_a_box_walks_is_refused_naming_the_bound(tmp_path, monkeypatch):
+    root = published_tree(tmp_path / "t")
+    monkeypatch.setattr(digest, "MAX_ENTRIES", 50)
+    for i in range(60):
+        (root / "src" / f"empty{i}").mkdir()
+    with pytest.raises(Fail) as caught:
+        verify(root)
+    assert caught.value.reason == "source.digest-mismatch"
+    assert "more than 50 files and directories" in caught.value.message

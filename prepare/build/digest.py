@@ -39,6 +39,7 @@ from prepare.fail import Fail
 from prepare.host import human
 
 MAX_FILES = 100_000
+MAX_ENTRIES = 4 * MAX_FILES
 MAX_TREE_BYTES = 16 << 30
 # A line is 64 hex digits, two spaces, a path and a newline.
 MAX_SIDECAR_BYTES = 64 << 20
@@ -68,6 +69,9 @@ def tree_files(tree: str) -> list[str]:
     recursion."""
     out: list[str] = []
     pending = [""]
+    # Every entry counts, directories too: a million empty directories cost
+    # a walk what a million files would.
+    seen = 0
     while pending:
         rel_dir = pending.pop()
         where = os.path.join(tree, rel_dir) if rel_dir else tree
@@ -78,6 +82,12 @@ def tree_files(tree: str) -> list[str]:
                 f"cannot list {where} to check it against its digest: {human.oserror(err)}; the next attempt "
                 "fetches the tree again"
             ) from None
+        seen += len(entries)
+        if seen > MAX_ENTRIES:
+            raise _mismatch(
+                f"the training source holds more than {MAX_ENTRIES} files and directories: past what a box walks "
+                "to check a digest. Publish a smaller tree (a cargo project's own files)"
+            )
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_dir(follow_symlinks=False):
@@ -109,6 +119,9 @@ def _hash(tree: str, real_root: str, rel: str, budget: list[int]) -> tuple[str, 
     real = os.path.realpath(path)
     if not real.startswith(real_root.rstrip("/") + "/"):
         raise _Outside(real)
+    # Looked at before it is opened: opening a device can act on it.
+    if not stat.S_ISREG(os.lstat(real).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", path)
     fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

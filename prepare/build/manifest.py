@@ -410,6 +410,12 @@ def read_file(path: str, limit: int) -> bytes:
     """A run file's bytes: never through a symlink (a published tree could
     point it at any file of this box, or at /dev/zero), never a device or a
     FIFO, and never more than `limit` (EFBIG past it)."""
+    # Looked at before it is opened: opening a device can act on it.
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise OSError(errno.EINVAL, "not a regular file", path)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
         mode = os.fstat(fd).st_mode
