@@ -316,7 +316,7 @@ def test_a_published_tree_is_checked_against_its_digest_before_anything_is_built
     files = published(trainer(manifest={}), tmp_path, bin="train", build=line, run="r-1", built=True)
     src = git_source(files)
     got, notes = run(spec(test_flake, state_dir, src.url))
-    assert got.run_id == "r-1" and any("the fetched tree matches its digest (1 files" in n for n in notes)
+    assert got.run_id == "r-1" and any("the fetched tree matches its digest (1 file," in n for n in notes)
 
     # A fetch across a re-publish: the tree changed under the manifest.
     src.commit({"README": "the next publish's tree\n", "extra.rs": "// new\n"}, "half a re-publish")

@@ -116,7 +116,7 @@ def test_a_box_substitutes_everything_a_publish_pushed_and_builds_nothing(
         ["git", "-C", str(src.path), "show", "--name-only", "--format=", "HEAD"], capture_output=True, text=True
     )
     assert sorted(files.stdout.split()) == [DIGEST, MANIFEST] and done.commit is not None and done.rev is not None
-    assert "the fetched tree matches its digest (1 files" in said
+    assert "the fetched tree matches its digest (1 file," in said
     assert any(f"variant cpu: built, signed and copied to {cache.file_url}" in n for n in notes)
 
 

@@ -238,4 +238,5 @@ def verify(tree: str, manifest: Manifest) -> list[str]:
             + ". A fetch that straddled a re-publish: the next attempt fetches a coherent tree; if this persists, "
             "the tree is not what was published: publish again"
         )
-    return [f"the fetched tree matches its digest ({len(listed)} files, sha256 {expected.sha256[:12]}...)"]
+    files = f"{len(listed)} file{'s' if len(listed) != 1 else ''}"
+    return [f"the fetched tree matches its digest ({files}, sha256 {expected.sha256[:12]}...)"]
