@@ -660,3 +660,12 @@ def test_a_tree_of_more_entries_than_a_box_walks_is_refused_naming_the_bound(tmp
         verify(root)
     assert caught.value.reason == "source.digest-mismatch"
     assert "more than 50 files and directories" in caught.value.message
+
+
+def test_a_file_name_with_a_line_break_is_refused_by_the_publish_that_would_list_it(tmp_path):
+    root = tmp_path / "t"
+    root.mkdir()
+    (root / "evil\nname").write_text("x")
+    with pytest.raises(Fail) as caught:
+        digest.compute(str(root), digest.tree_files(str(root)))
+    assert caught.value.reason == "publish.invalid" and "evil\\nname" in caught.value.message

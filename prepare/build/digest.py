@@ -153,6 +153,13 @@ def compute(tree: str, files: Sequence[str]) -> tuple[str, Digest]:
     lines: list[str] = []
     total = 0
     for rel in files:
+        if "\n" in rel or "\r" in rel:
+            # The sidecar is a line a file: no reader could tell where it ends.
+            raise Fail(
+                "publish.invalid",
+                f"the training source holds a file whose name has a line break ('{_shown(rel)}'), which the digest "
+                f"sidecar {DIGEST_FILE} (a line a file) cannot list: rename it",
+            )
         try:
             hexdigest, size = _hash(tree, real_root, rel, budget)
         except (OSError, _Outside) as err:
@@ -203,15 +210,17 @@ def verify(tree: str, manifest: Manifest) -> list[str]:
     budget = [MAX_TREE_BYTES]
     listed: set[str] = set()
     problems: list[str] = []
-    for line in text.splitlines():
-        hexdigest, sep, rel = line.partition("  ")
+    # Lines as floDl's `str::lines` reads them: split at \n, a trailing \r
+    # dropped; no other character ends one.
+    for line in text.split("\n"):
+        hexdigest, sep, rel = line.removesuffix("\r").partition("  ")
         if not sep:
             continue  # floDl skips a line without the two-space separator
         if len(listed) >= MAX_FILES:
             raise _mismatch(f"{DIGEST_FILE} lists more than {MAX_FILES} files: past what a box checks")
         listed.add(rel)
         if not _safe_rel(rel):
-            problems.append(f"{_shown(rel)!r} is not a path inside the tree")
+            problems.append(f"'{_shown(rel)}' is not a path inside the tree")
             continue
         try:
             actual, _ = _hash(tree, real_root, rel, budget)
