@@ -51,8 +51,8 @@ CHECK_HELP = (
 )
 PUBLISH_HELP = (
     "Build the run's outputs for each variant, sign them, copy them to a binary cache, then write floDl's "
-    ".fdl-run.sha256 and .fdl-run.yml (the commit point): boxes that trust the key substitute instead of building. --flake must name the flake "
-    "the boxes build with, at the same revision."
+    ".fdl-run.sha256 and .fdl-run.yml (the commit point): boxes that trust the key substitute instead of "
+    "building. --flake must name the flake the boxes build with, at the same revision."
 )
 COMPLETION_HELP = (
     "Print the shell completion script for bash, zsh or fish (e.g. `source <(fdl-prepare completion bash)`)."
