@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 # The tests' offline configuration, which also lends the test flake's host
 # tools to Nix's build sandbox where it is on (Debian 13).
 sys.path.insert(0, str(REPO / "tests"))
-from nix_fixtures import NIX_CONFIG, flat_copy, manifest_text  # noqa: E402 - found through the path set just above
+from nix_fixtures import MANIFEST, NIX_CONFIG, flat_copy, manifest_text  # noqa: E402 - found through the path set just above
 
 
 def example_source(dest: Path, *, stand_in: bool = False) -> str:
@@ -58,7 +58,7 @@ def example_source(dest: Path, *, stand_in: bool = False) -> str:
         # What the stand-in flake can build: a shell script, smoke-run too.
         dest.mkdir()
         build = "printf '#!/bin/sh\\necho trained\\n' > train && chmod +x train"
-        (dest / ".fdl-run.toml").write_text(manifest_text(bin="train", build=build, smoke=["--smoke"]))
+        (dest / MANIFEST).write_text(manifest_text(bin="train", build=build))
     else:
         # A target/ left by a local cargo build is not part of the source.
         shutil.copytree(REPO / "examples" / "trainer", dest, ignore=shutil.ignore_patterns("target"))
@@ -125,7 +125,8 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
 
     state = tmp / f"state-{name}"
     cli = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", flake, "--source", source]
-    cli += ["--state-dir", str(state), "--json"]
+    # The smoke run is the box's own (floDl's manifest has no field for it).
+    cli += ["--smoke=--smoke", "--state-dir", str(state), "--json"]
 
     seconds, done = timed(cli, env)  # warm-up: builds what is missing
     if done.returncode != 0:
@@ -158,14 +159,15 @@ def measure(name: str, flake: str, source: str, tmp: Path, env: dict[str, str], 
         "imports": [sys.executable, "-c", f"import {modules}"],
         "resolve": runner._common() + ["--option", "tarball-ttl", "0", "flake", "prefetch", "--json", "--", source],
     }
-    # Every attempt runs the manifest's smoke run, the trainer's own work (a
+    # Every attempt runs the box's smoke run, the trainer's own work (a
     # training step through libtorch): measured alone, so the ratios below
     # show fdl-prepare's share apart from the binary's.
     floor["smoke"] = [prepared["bin"]["path"], "--smoke"]
     commands = {"cli": cli, "bare": bare, **floor}
     # The library call from a join loop: one long-lived process, each
     # attempt a `prepare()` call (its first call, the warm-up, not counted).
-    flags = {"cpu_only": True, "libtorch": "cpu", "flake": flake, "source": {"from": source}, "state_dir": str(state)}
+    source_keys = {"from": source, "smoke": ["--smoke"]}
+    flags = {"cpu_only": True, "libtorch": "cpu", "flake": flake, "source": source_keys, "state_dir": str(state)}
     loop = subprocess.Popen(
         [sys.executable, "-c", JOIN_LOOP, json.dumps(flags)],
         env=env,

@@ -53,7 +53,7 @@ let
     if pathExists manifestPath then
       fromTOML (readFile manifestPath)
     else
-      fail "the training source has no Cargo.toml in `cwd` = ${quote here}: set `cwd` (in .fdl-run.toml or [join.source]) to the crate that builds `bin`, or give a `build` line for a source that is not a cargo project";
+      fail "the training source has no Cargo.toml in `cwd` = ${quote here}: set `cwd` (in .fdl-run.yml or [join.source]) to the crate that builds `bin`, or give a `build` line for a source that is not a cargo project";
 
   lockDirs = filter (d: pathExists "${at d}/Cargo.lock") (ancestors here);
   lockDir =

@@ -16,6 +16,8 @@ let
     ps: with ps; [
       mypy
       nvidia-ml-py
+      pyyaml
+      types-pyyaml
       sh
       rich
       pytest

@@ -150,13 +150,13 @@ let
     if (r.contract or null) != contract then
       fail "recipe.json speaks contract ${quote (r.contract or null)}, this flake speaks contract ${toString contract}: upgrade fdl-prepare or point `flake` at a matching flake"
     else if bin == null || bin == "" then
-      fail "recipe.json has no `bin`: set `bin` in the run manifest (.fdl-run.toml) or `bin` under [join.source]"
+      fail "recipe.json has no `bin`: set `bin` in the run manifest (.fdl-run.yml) or `bin` under [join.source]"
     else if !(isString cwd) || !(relativeOk cwd) then
       fail "recipe.json `cwd` = ${quote cwd} must be a directory relative to the source root, without `..`"
     else if !(isString bin) || !(binOk cwd bin) then
       fail "recipe.json `bin` = ${quote bin} must be a path relative to `cwd` that stays inside the training source (`target/release/NAME`, or `../target/release/NAME` for a workspace member)"
     else if !(pathExists "${source}/${cwd}") then
-      fail "recipe.json `cwd` = ${quote cwd} does not exist in the training source; fix `cwd` in .fdl-run.toml or [join.source]"
+      fail "recipe.json `cwd` = ${quote cwd} does not exist in the training source; fix `cwd` in .fdl-run.yml or [join.source]"
     else if !(build == null || isString build) then
       fail "recipe.json `build` must be a shell line or null, got a ${typeOf build}"
     else if !(variant == null || isString variant) then
@@ -169,19 +169,22 @@ let
         libtorch = variant;
       };
 
-  # The source the training build sees: the tree without its run manifest.
-  # A publish builds, pushes the outputs to a cache, and only then writes
-  # .fdl-run.toml (the commit point); if the manifest were part of `src`,
-  # writing it would change the derivation every box evaluates, and each box
-  # would build what the publish had just pushed. Only the root's manifest
-  # goes: a file of that name deeper in the tree is the source's own.
+  # The source the training build sees: the tree without floDl's run files.
+  # A publish builds, pushes, and only then writes .fdl-run.sha256 and
+  # .fdl-run.yml (the manifest last: the commit point); if they were part of
+  # `src`, writing them would change the derivation every box evaluates, and
+  # each box would build what the publish had just pushed. Only the root's
+  # go: files of those names deeper in the tree are the source's own.
   # The name is how the runner tells a failed training build (it names this
   # copy) from a failed build of the flake's own (prepare/nix/diagnosis.py).
-  manifest = "${toString source}/.fdl-run.toml";
+  runFiles = map (name: "${toString source}/${name}") [
+    ".fdl-run.yml"
+    ".fdl-run.sha256"
+  ];
   trainingSource = builtins.path {
     path = source;
     name = "fdl-training-source";
-    filter = path: _type: path != manifest;
+    filter = path: _type: !(elem path runFiles);
   };
 
   training =

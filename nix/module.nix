@@ -217,7 +217,7 @@ let
     };
     "source.smoke".description = ''
       Arguments for one run of the built binary before the box counts as
-      prepared (a run manifest's `smoke` outranks them). A binary the
+      prepared (the box's own: floDl's run manifest has no smoke). A binary the
       loader cannot start (a library it cannot find, such as the
       driver's libcuda.so.1) stops the unit; a timeout or another
       failure is retried. Empty or null runs nothing.

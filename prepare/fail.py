@@ -89,6 +89,7 @@ Reason = Literal[
     "source.unreachable",
     "source.not-published",
     "source.manifest-invalid",
+    "source.digest-mismatch",
     "source.cwd-escapes",
     "source.missing",
     "source.host-key",
@@ -276,10 +277,16 @@ REASONS: dict[Reason, Row] = {
         TRANSIENT, "fetching the training source (`source.from`) failed: network, DNS, git, a ref not there yet"
     ),
     "source.not-published": Row(
-        TRANSIENT, "the training source has no run manifest and the box declares no `bin`: nothing is published yet"
+        TRANSIENT,
+        "the training source has no run manifest and the box declares no `bin`, or has the digest sidecar "
+        "without the manifest (mid-publish): nothing is published yet",
     ),
     "source.manifest-invalid": Row(
-        TRANSIENT, "the run manifest `.fdl-run.toml` cannot be read or has a bad value: the next publish fixes it"
+        TRANSIENT, "the run manifest `.fdl-run.yml` cannot be read or has a bad value: the next publish fixes it"
+    ),
+    "source.digest-mismatch": Row(
+        TRANSIENT,
+        "the fetched tree does not match its manifest's digest (`.fdl-run.sha256`): fetched across a re-publish",
     ),
     "source.cwd-escapes": Row(PERMANENT, "the recipe's `cwd` leads out of the fetched source tree through a symlink"),
     "source.missing": Row(

@@ -6,11 +6,10 @@ that cannot load `libcuda.so.1` (no driver directory on a box that is not
 NixOS), that links a library its closure lacks, or that cannot initialise
 the GPU fails here instead of after the controller admitted the box.
 
-The run's recipe says how (`smoke`, a list of arguments: `[join.source]
-smoke`, outranked by the run manifest's, since the publisher knows what its
-binary takes); an empty list, or none, runs nothing. The binary starts in
-its run's cwd (the run directory, prepare.build.rundir), as the training
-would: never as
+The box's recipe says how (`smoke`, a list of arguments: `[join.source]
+smoke`, `--smoke`; floDl's run manifest has no field for it); an empty
+list, or none, runs nothing. The binary starts in its run's cwd (the run
+directory, prepare.build.rundir), as the training would: never as
 root, with no capabilities, a clean environment and everything it starts
 stopped when it ends (prepare.host.confine, `smoke_user`), and is killed at
 `smoke_timeout` (`--smoke-timeout`). What it prints is kept to its last
@@ -91,8 +90,8 @@ def run(
         raise Fail(
             "smoke.failed",
             f"smoke run {shown}: the kernel refused its command line ({human.size(size)}, E2BIG): the smoke "
-            "arguments are longer than a program can be given. Shorten the run manifest's smoke list and publish "
-            "again (or [join.source] smoke, --smoke, on the box)",
+            "arguments are longer than a program can be given. Shorten the box's smoke list ([join.source] smoke, "
+            "--smoke)",
         ) from None
     except proc.ConfinementFailed as failed:
         if failed.step == "terminal":
@@ -173,7 +172,8 @@ def _failed(shown: str, done: proc.Completed, binary: Binary) -> Fail:
     return Fail(
         "smoke.failed",
         f"smoke run {shown} exited {done.returncode}{said}. The binary starts but fails its smoke run: fix the "
-        "training source (or the manifest's smoke arguments) and publish again; the next attempt retries",
+        "training source and publish again (or the box's smoke arguments, [join.source] smoke); the next attempt "
+        "retries",
     )
 
 

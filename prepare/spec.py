@@ -54,7 +54,7 @@ class SshSpec:
 @dataclass(frozen=True)
 class SourceSpec:
     """The box's own recipe for the training source (`[join.source]`).
-    A published run manifest (`.fdl-run.toml`) in the fetched tree outranks
+    A published run manifest (floDl's `.fdl-run.yml`) in the fetched tree outranks
     every field it sets; a field it omits keeps the value here."""
 
     from_: str | None = None  # `from` in TOML; a flake URL

@@ -30,7 +30,9 @@ branch `main` with `files` ({relative path: text}) committed.
     .url          git+file://<dir>?ref=main
     .commit(files, message)  writes files (text None deletes), commits, returns the rev
 `trainer(build=..., bin=..., manifest=...)` -> files of a minimal training
-source: a build line that writes an executable, and optionally a manifest.
+source: a build line that writes an executable, and optionally floDl's
+manifest (`.fdl-run.yml`, `MANIFEST`; `manifest_text(**fields)` is its YAML),
+without a digest: floDl's worker checks none then, and neither does a box.
 
 `git_http` (function) -> `(source) -> HttpRemote`: a bare clone of a
 GitSource served over git's "dumb" HTTP protocol by a loopback web server
@@ -81,6 +83,9 @@ if TYPE_CHECKING:
     from prepare.spec import Prepared, PrepareSpec
 
 REPO = Path(__file__).resolve().parent.parent
+# floDl's run manifest and its digest sidecar, at a published tree's root.
+MANIFEST = ".fdl-run.yml"
+DIGEST = ".fdl-run.sha256"
 
 
 # The host paths the test flake's builders use (tests/flake/toolchain.nix),
@@ -387,21 +392,14 @@ def git_source(tmp_path: Path) -> Callable[[Mapping[str, str | None]], GitSource
 
 
 def manifest_text(**fields: object) -> str:
-    lines = []
-    for key, value in fields.items():
-        if isinstance(value, bool):
-            lines.append(f"{key} = {'true' if value else 'false'}")
-        elif isinstance(value, (list, tuple)):
-            lines.append(f"{key} = [{', '.join(_toml_str(v) for v in value)}]")
-        elif isinstance(value, int):
-            lines.append(f"{key} = {value}")
-        else:
-            lines.append(f"{key} = {_toml_str(str(value))}")
-    return "\n".join(lines) + "\n"
+    """floDl's run manifest (.fdl-run.yml) holding `fields`, as YAML."""
+    import yaml
 
-
-def _toml_str(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return yaml.safe_dump(
+        {key: list(value) if isinstance(value, tuple) else value for key, value in fields.items()},
+        sort_keys=False,
+        default_flow_style=False,
+    )
 
 
 def trainer(
@@ -417,7 +415,7 @@ def trainer(
     if manifest is None:
         manifest = {"bin": bin, **({"build": build} if build is not None else {})}
     if manifest:
-        files[".fdl-run.toml"] = manifest_text(**manifest)
+        files[MANIFEST] = manifest_text(**manifest)
     return files
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from nix_fixtures import (
     BUILD,
+    DIGEST,
+    MANIFEST,
     NIX_CONFIG,
     box_settings,
     build,
@@ -265,8 +267,8 @@ def test_a_manifest_that_omits_a_field_keeps_the_boxs_value(nix_env, test_flake,
     got, notes = run(spec(test_flake, state_dir, src.url, build=box_build, bin="ignored"))
     assert os.path.basename(got.bin.path) == "fromthebox"
     assert subprocess.run([got.bin.path], capture_output=True, text=True).stdout.strip() == "box"
-    assert any("NOT built by the controller" in n for n in notes)
-    assert got.args is None
+    assert any("NOT built by the publisher" in n for n in notes)
+    assert got.args == ()  # floDl's default: a manifest without args runs the binary with none
 
 
 def test_the_box_recipe_alone_builds_when_nothing_is_published(nix_env, test_flake, state_dir, git_source):
@@ -285,12 +287,55 @@ def test_a_published_cwd_missing_from_the_tree_is_transient_and_a_box_cwd_perman
     src = git_source(trainer(manifest={"bin": "train", "cwd": "not-there", "build": "true"}))
     fail = expect_fail(spec(test_flake, state_dir, src.url))
     assert not fail.permanent
-    assert "'not-there'" in fail.message and ".fdl-run.toml" in fail.message
+    assert fail.reason == "source.manifest-invalid"
+    assert "'not-there'" in fail.message and MANIFEST in fail.message
 
     src = git_source(trainer(manifest={}))
     fail = expect_fail(spec(test_flake, state_dir, src.url, bin="train", cwd="not-there"))
     assert fail.permanent
     assert "--source-cwd" in fail.message
+
+
+def published(files: dict[str, str], tmp_path: Path, **fields: object) -> dict[str, str]:
+    """`files` with floDl's two run files, as `fdl publish` writes them."""
+    from prepare.build import digest
+
+    tree = tmp_path / "published"
+    for rel, text in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    sidecar, tree_digest = digest.compute(str(tree), digest.tree_files(str(tree)))
+    table = {**fields, "digest": {"sha256": tree_digest.sha256, "files": tree_digest.files, "bytes": tree_digest.bytes}}
+    return {**files, DIGEST: sidecar, MANIFEST: manifest_text(**table)}
+
+
+def test_a_published_tree_is_checked_against_its_digest_before_anything_is_built(
+    nix_env, test_flake, state_dir, git_source, tmp_path
+):
+    line = "printf '#!/bin/sh\\necho trained\\n' > train && chmod +x train"
+    files = published(trainer(manifest={}), tmp_path, bin="train", build=line, run="r-1", built=True)
+    src = git_source(files)
+    got, notes = run(spec(test_flake, state_dir, src.url))
+    assert got.run_id == "r-1" and any("the fetched tree matches its digest (1 file," in n for n in notes)
+
+    # A fetch across a re-publish: the tree changed under the manifest.
+    src.commit({"README": "the next publish's tree\n", "extra.rs": "// new\n"}, "half a re-publish")
+    events: list[dict] = []
+    fail = expect_fail(spec(test_flake, state_dir, src.url), events=events)
+    assert fail.reason == "source.digest-mismatch" and not fail.permanent
+    assert "README differs" in fail.message and "extra.rs is not in the published set" in fail.message
+    assert not any(e["type"] == "build-start" for e in events)
+
+
+def test_a_tree_with_the_sidecar_and_no_manifest_is_a_publish_under_way_even_for_a_box_with_a_bin(
+    nix_env, test_flake, state_dir, git_source, tmp_path
+):
+    files = published(trainer(manifest={}), tmp_path, bin="train")
+    del files[MANIFEST]
+    src = git_source(files)
+    fail = expect_fail(spec(test_flake, state_dir, src.url, bin="train", build="true"))
+    assert fail.reason == "source.not-published" and not fail.permanent
+    assert "a publish is under way" in fail.message and DIGEST in fail.message
 
 
 # -- building -------------------------------------------------------------------------------
@@ -501,11 +546,7 @@ def test_sigterm_during_a_build_leaves_no_out_link_to_a_partial_output(nix_env, 
 
     marker = f"{time.time_ns() % 100000 + 100}.{os.getpid()}"
     src.commit(
-        {
-            ".fdl-run.toml": manifest_text(
-                bin="train", build=f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
-            )
-        },
+        {MANIFEST: manifest_text(bin="train", build=f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train")},
         "slow build",
     )
     argv = [
@@ -865,7 +906,7 @@ def test_a_manifest_cwd_that_is_a_symlink_out_of_the_tree_stops_the_box(nix_env,
     tree = tmp_path / "train"
     tree.mkdir()
     (tree / "escape").symlink_to("/etc")
-    (tree / ".fdl-run.toml").write_text(manifest_text(bin="train", cwd="escape"))
+    (tree / MANIFEST).write_text(manifest_text(bin="train", cwd="escape"))
     fail = expect_fail(spec(test_flake, state_dir, f"path:{tree}"))
     assert fail.permanent
     assert "leads out of the training source through a symlink (to /etc)" in fail.message

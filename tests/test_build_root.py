@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, manifest_text, private_dir, trainer
+from nix_fixtures import MANIFEST, NIX_CONFIG, manifest_text, private_dir, trainer
 
 from prepare.build import workspace
 from prepare.fail import Fail
@@ -165,7 +165,7 @@ def test_a_cargo_config_planted_in_tmp_and_above_tmpdir_does_not_reach_a_real_ca
         "app/Cargo.toml": (crate / "app" / "Cargo.toml").read_text(),
         "app/Cargo.lock": (crate / "app" / "Cargo.lock").read_text(),
         "app/src/main.rs": (crate / "app" / "src" / "main.rs").read_text(),
-        ".fdl-run.toml": manifest_text(bin="app", cwd="app"),
+        MANIFEST: manifest_text(bin="app", cwd="app"),
         "README": f"{trainer()['README']}",
     }
     src = git_source(files)

@@ -78,8 +78,11 @@ def overrides(source: str, recipe: str) -> list[str]:
 
 
 def example_recipe() -> dict[str, object]:
-    manifest = tomllib.loads((EXAMPLE / ".fdl-run.toml").read_text())
-    return {"libtorch": "cpu", **{key: manifest.get(key) for key in ("cwd", "build", "bin")}}
+    from prepare.build import manifest as manifest_mod
+
+    manifest = manifest_mod.read(str(EXAMPLE))
+    assert manifest is not None
+    return {"libtorch": "cpu", "cwd": manifest.cwd or ".", "build": manifest.build, "bin": manifest.bin}
 
 
 def build_events(stderr: str) -> list[dict]:
@@ -206,7 +209,7 @@ def test_a_recipe_without_bin_is_refused_at_evaluation_naming_bin(env, test_flak
 
     assert done.returncode != 0
     assert "fdl-prepare flake: recipe.json has no `bin`" in done.stderr
-    assert ".fdl-run.toml" in done.stderr and "[join.source]" in done.stderr
+    assert ".fdl-run.yml" in done.stderr and "[join.source]" in done.stderr
     assert "building '" not in done.stderr
 
 
@@ -237,27 +240,30 @@ def _training_drv(env: dict[str, str], flake: str, tree: Path, recipe: str) -> s
     return done
 
 
-def test_the_run_manifest_is_not_an_input_of_the_training_build(env, test_flake, tmp_path):
-    # A publish builds, pushes, and writes .fdl-run.toml last: the boxes must
-    # evaluate the very derivation that was pushed, manifest or not.
+def test_the_run_files_are_not_inputs_of_the_training_build(env, test_flake, tmp_path):
+    # A publish builds, pushes, and writes floDl's .fdl-run.sha256 and
+    # .fdl-run.yml last: the boxes must evaluate the very derivation that was
+    # pushed, run files or not.
     tree = tmp_path / "source"
     tree.mkdir()
     (tree / "README").write_text("a training source\n")
     recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", bin="train", build="true")
 
     bare = _training_drv(env, test_flake, tree, recipe)
-    (tree / ".fdl-run.toml").write_text('bin = "train"\nrun = "one"\nbuilt = true\n')
+    (tree / ".fdl-run.sha256").write_text("0" * 64 + "  README\n")
+    (tree / ".fdl-run.yml").write_text("bin: train\nrun: one\nbuilt: true\n")
     added = _training_drv(env, test_flake, tree, recipe)
-    (tree / ".fdl-run.toml").write_text('bin = "train"\nrun = "two"\nbuilt = true\npublished_epoch = 2\n')
+    (tree / ".fdl-run.sha256").write_text("1" * 64 + "  README\n")
+    (tree / ".fdl-run.yml").write_text("bin: train\nrun: two\nbuilt: true\npublished_epoch: 2\n")
     changed = _training_drv(env, test_flake, tree, recipe)
     (tree / "README").write_text("a training source, edited\n")
     edited = _training_drv(env, test_flake, tree, recipe)
     (tree / "sub").mkdir()
-    (tree / "sub" / ".fdl-run.toml").write_text("the source's own file of that name\n")
+    (tree / "sub" / ".fdl-run.yml").write_text("the source's own file of that name\n")
     nested = _training_drv(env, test_flake, tree, recipe)
 
     assert bare == added == changed
-    # Only the root's manifest is left out: the rest of the tree still counts.
+    # Only the root's run files are left out: the rest of the tree still counts.
     assert len({changed, edited, nested}) == 3
 
 
@@ -323,20 +329,22 @@ def test_a_layout_preserving_copy_referenced_as_path_says_how_to_reference_it(en
     assert "git+file://<repo>?dir=tests/flake" in done.stderr
 
 
-def test_the_example_manifest_parses_with_every_field_typed():
-    manifest = tomllib.loads((EXAMPLE / ".fdl-run.toml").read_text())
+def test_the_example_manifest_is_flodls_with_every_field_typed():
+    import yaml
 
-    # No `build`: the flake builds the crate as it builds any floDl one.
-    assert set(manifest) == {"bin", "cwd", "args", "smoke", "run", "built", "published_epoch", "origin"}
-    assert isinstance(manifest["bin"], str) and manifest["bin"]
-    assert isinstance(manifest["cwd"], str) and (EXAMPLE / manifest["cwd"]).is_dir()
-    assert (EXAMPLE / manifest["cwd"] / "Cargo.lock").is_file()
-    assert isinstance(manifest["args"], list) and all(isinstance(a, str) for a in manifest["args"])
-    assert manifest["smoke"] == ["--smoke"]
-    assert isinstance(manifest["run"], str) and manifest["run"]
-    assert isinstance(manifest["built"], bool)
-    assert isinstance(manifest["published_epoch"], int) and not isinstance(manifest["published_epoch"], bool)
-    assert isinstance(manifest["origin"], str)
+    from prepare.build import manifest as manifest_mod
+
+    raw = yaml.safe_load((EXAMPLE / manifest_mod.FILENAME).read_text())
+    # No `build` (the flake builds the crate as it builds any floDl one), no
+    # `cwd` (the root), no `smoke` (floDl's manifest has none: the box's).
+    assert set(raw) == {"bin", "args", "run", "built", "published_epoch", "origin", "digest"}
+    manifest = manifest_mod.read(str(EXAMPLE))
+    assert manifest is not None and manifest.unknown_count == 0
+    assert manifest.bin == "target/release/train" and manifest.cwd is None
+    assert (EXAMPLE / "Cargo.lock").is_file()
+    assert manifest.args == ("--epochs", "2") and manifest.run == "example-0001"
+    assert manifest.built is False and manifest.published_epoch == 1767225600 and manifest.origin
+    assert manifest.digest is not None and (EXAMPLE / manifest_mod.DIGEST_FILE).is_file()
 
 
 # --- the production flake's wiring ------------------------------------------
@@ -752,11 +760,13 @@ def test_the_production_training_build_does_not_see_the_run_manifest(env, produc
         return got
 
     bare = src()
-    (crate / ".fdl-run.toml").write_text('bin = "train"\nrun = "one"\n')
+    (crate / ".fdl-run.sha256").write_text("0" * 64 + "  Cargo.toml\n")
+    (crate / ".fdl-run.yml").write_text("bin: train\nrun: one\n")
     with_manifest = src()
 
     assert bare == with_manifest
-    assert not (Path(with_manifest) / ".fdl-run.toml").exists() and (Path(with_manifest) / "Cargo.toml").exists()
+    assert not (Path(with_manifest) / ".fdl-run.yml").exists() and (Path(with_manifest) / "Cargo.toml").exists()
+    assert not (Path(with_manifest) / ".fdl-run.sha256").exists()
 
 
 def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, production, nixpkgs):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from console import console_script
 from fleet_fixtures import built, substituted
-from nix_fixtures import NIX_CONFIG, build, nix_daemon_client, procs_with, trainer
+from nix_fixtures import DIGEST, MANIFEST, NIX_CONFIG, build, nix_daemon_client, procs_with, trainer
 
 from prepare.build import manifest as manifest_mod
 from prepare.fail import Fail
@@ -110,11 +110,13 @@ def test_a_box_substitutes_everything_a_publish_pushed_and_builds_nothing(
     assert "built here: 0 derivations" in said
     # The binary B got is the one A built: it runs on B's store.
     assert (b.store / Path(prepared["bin"]["path"]).relative_to("/nix/store")).exists()
-    # The manifest is committed alone, on the commit that was built.
+    # floDl's two run files are committed alone, on the commit that was built,
+    # and the box checked the tree it fetched against their digest.
     files = subprocess.run(
         ["git", "-C", str(src.path), "show", "--name-only", "--format=", "HEAD"], capture_output=True, text=True
     )
-    assert files.stdout.split() == [".fdl-run.toml"] and done.commit is not None and done.rev is not None
+    assert sorted(files.stdout.split()) == [DIGEST, MANIFEST] and done.commit is not None and done.rev is not None
+    assert "the fetched tree matches its digest (1 file," in said
     assert any(f"variant cpu: built, signed and copied to {cache.file_url}" in n for n in notes)
 
 
@@ -196,7 +198,7 @@ def _directory_source(tmp_path: Path) -> Path:
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "README").write_text(f"a training source {nonce()}\n")
-    (tree / ".fdl-run.toml").write_text('bin = "train"\nrun = "the-previous-run"\nbuilt = true\n')
+    (tree / MANIFEST).write_text("bin: train\nrun: the-previous-run\nbuilt: true\n")
     return tree
 
 
@@ -226,7 +228,7 @@ def test_a_publish_that_fails_on_its_second_variant_leaves_no_manifest_and_names
     assert not fail.permanent  # a failed training build: the next publish may fix it
     assert any("variant cpu: built, signed and copied" in n for n in notes)
     assert any("removed the previous manifest (run the-previous-run)" in n for n in notes)
-    assert not (tree / ".fdl-run.toml").exists()
+    assert not (tree / MANIFEST).exists()
     assert [p.name for p in tree.iterdir()] == ["README"]
     _box_finds_nothing_published(tree, test_flake, tmp_path)
 
@@ -257,7 +259,7 @@ def test_a_publish_stopped_by_sigterm_midway_leaves_no_manifest(test_flake, bina
             child.kill()
             child.wait()
     assert child.returncode == 130, err
-    assert not (tree / ".fdl-run.toml").exists()
+    assert not (tree / MANIFEST).exists()
     assert [p.name for p in tree.iterdir()] == ["README"]
     deadline = time.monotonic() + 15
     while [p for p in procs_with(marker) if "sleep" in p[1]]:
@@ -279,9 +281,9 @@ def test_publish_without_a_flag_writes_the_manifest_and_says_how_to_commit_it(
     )
 
     assert done.rev == head.strip() and done.commit is None and not done.pushed
-    assert (src.path / ".fdl-run.toml").exists()
+    assert (src.path / MANIFEST).exists()
     assert done.next_step is not None and f"on top of {head.strip()[:12]}" in done.next_step
-    assert "-- .fdl-run.toml" in done.next_step
+    assert f"-- {DIGEST} {MANIFEST}" in done.next_step
     assert any("uncommitted change(s)" in n and "README" in n for n in notes)
     after = subprocess.run(["git", "-C", str(src.path), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert after == head
@@ -381,7 +383,7 @@ def test_a_publish_that_cannot_work_is_permanent_and_leaves_the_live_manifest_an
     case, test_flake, binary_cache, signing_key, tmp_path
 ):
     tree = _directory_source(tmp_path)
-    live = (tree / ".fdl-run.toml").read_text()
+    live = (tree / MANIFEST).read_text()
     spec = publish_spec(tree, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path)
     change = {
         "a variant typo": {"variants": ("cpu", "cu999")},
@@ -393,7 +395,7 @@ def test_a_publish_that_cannot_work_is_permanent_and_leaves_the_live_manifest_an
     with pytest.raises(Fail) as caught:
         publish(replace(spec, **change), notes)  # type: ignore[arg-type]
     assert caught.value.permanent, caught.value.message
-    assert (tree / ".fdl-run.toml").read_text() == live
+    assert (tree / MANIFEST).read_text() == live
     assert not any("removed the previous manifest" in n for n in notes)
 
 
@@ -409,7 +411,7 @@ def test_a_signing_key_others_can_read_is_permanent_and_treated_as_leaked(
     fail = caught.value
     assert fail.permanent and fail.reason == "publish.invalid"
     assert "can be read by other users (mode 0644)" in fail.message and "Treat it as leaked" in fail.message
-    assert (tree / ".fdl-run.toml").exists() and not events
+    assert (tree / MANIFEST).exists() and not events
 
 
 def test_publish_encodes_the_path_it_makes_a_url_of_and_quotes_the_commands_it_prints(
@@ -425,7 +427,7 @@ def test_publish_encodes_the_path_it_makes_a_url_of_and_quotes_the_commands_it_p
     subprocess.run(["git", "-C", str(odd), "add", "README"], check=True)
     subprocess.run(["git", "-C", str(odd), "commit", "-q", "-m", "initial"], check=True)
     done = publish(publish_spec(odd, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), [])
-    assert (odd / ".fdl-run.toml").exists() and done.next_step is not None
+    assert (odd / MANIFEST).exists() and done.next_step is not None
     commands = done.next_step.rsplit(": ", 1)[1]
     words = shlex.split(commands)
     assert words[:4] == ["git", "-C", str(odd), "add"] and words.count("&&") == 2
@@ -514,24 +516,47 @@ def test_a_publish_through_fdl_prepare_publish_prints_one_json_object_of_kind_pu
     assert done.stderr == ""
 
 
-# -- the manifest's smoke run, and how it is written ---------------------------------------------
+# -- floDl's run files, as a publish writes them ---------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("smoke", "read_back"), [(("--smoke", "--quick"), ("--smoke", "--quick")), ((), ()), (None, None)]
-)
-def test_publish_writes_the_smoke_run_the_boxes_make(
-    test_flake, git_source, binary_cache, signing_key, tmp_path, smoke, read_back
+def test_publish_writes_flodls_two_run_files_which_a_box_reads_and_checks_the_tree_against(
+    test_flake, git_source, binary_cache, signing_key, tmp_path
 ):
+    import yaml
+
     src = published_source(git_source)
+    (src.path / "crate" / "src").mkdir(parents=True)
+    (src.path / "crate" / "src" / "lib.rs").write_text("// the crate\n")
+    (src.path / "crate" / "target").mkdir()
+    (src.path / "crate" / "target" / "stale").write_text("a local build's output, never committed\n")
+    src.commit({"crate/src/lib.rs": "// the crate\n"}, "a crate")
     spec = publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path)
-    publish(replace(spec, smoke=smoke), [])
-    written = manifest_mod.read(str(src.path))
-    assert written is not None and written.smoke == read_back
-    # What a box makes of it: the manifest's outranks the box's own, and no
-    # `smoke` in the manifest leaves the box's.
-    recipe = manifest_mod.merge(SourceSpec(from_=src.url, smoke=("--box",)), written, src.url)
-    assert recipe.smoke == (("--box",) if smoke is None else read_back)
+    notes: list[str] = []
+    done = publish(replace(spec, commit=True), notes)
+
+    # floDl's keys only (its older workers refuse any other), no smoke: the
+    # smoke run is each box's own.
+    written = yaml.safe_load((src.path / MANIFEST).read_text())
+    assert set(written) <= set(manifest_mod.FIELDS) and "smoke" not in written
+    assert written["bin"] == "train" and written["args"] == ["--epochs", "3"] and written["built"] is True
+    assert written["run"] == done.run_id and len(done.run_id) == 32 and int(done.run_id, 16) >= 0
+    assert set(written["digest"]) == {"sha256", "files", "bytes"} and written["digest"]["files"] == 2
+    # The sidecar first, the manifest last: its presence is the commit point.
+    assert (src.path / DIGEST).stat().st_mtime_ns <= (src.path / MANIFEST).stat().st_mtime_ns
+    sidecar = (src.path / DIGEST).read_text()
+    assert [line.split("  ", 1)[1] for line in sidecar.splitlines()] == ["README", "crate/src/lib.rs"]
+    assert any("tree: 2 files" in n and DIGEST in n for n in notes)
+    # What a box fetches is the commit: a clone of it reads and verifies.
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(src.path), str(clone)], check=True)
+    subprocess.run(["rm", "-rf", str(clone / ".git")], check=True)
+    read_back = manifest_mod.read(str(clone))
+    assert read_back is not None and read_back.unknown_count == 0
+    from prepare.build import digest
+
+    assert "matches its digest (2 files" in digest.verify(str(clone), read_back)[0]
+    recipe = manifest_mod.merge(SourceSpec(from_=src.url, smoke=("--box",)), read_back, src.url)
+    assert recipe.smoke == ("--box",) and recipe.run_id == done.run_id
 
 
 def test_the_manifest_is_not_written_through_a_file_planted_at_a_guessable_name(
@@ -541,19 +566,20 @@ def test_the_manifest_is_not_written_through_a_file_planted_at_a_guessable_name(
     victim = tmp_path / "victim"
     victim.write_text("untouched\n")
     # The name the manifest's temporary file once had: the pid, guessable.
-    (src.path / f".fdl-run.toml.{os.getpid()}.tmp").symlink_to(victim)
+    (src.path / f"{MANIFEST}.{os.getpid()}.tmp").symlink_to(victim)
     publish(publish_spec(src.path, test_flake, binary_cache().file_url, signing_key("k-1").secret, tmp_path), [])
     assert victim.read_text() == "untouched\n"
-    manifest = src.path / ".fdl-run.toml"
-    assert manifest.is_file() and not manifest.is_symlink() and "built = true" in manifest.read_text()
+    manifest = src.path / MANIFEST
+    assert manifest.is_file() and not manifest.is_symlink() and "built: true" in manifest.read_text()
     assert not [p for p in src.path.iterdir() if p.name.endswith(".tmp") and not p.is_symlink()]
 
 
-def test_publish_refuses_a_smoke_run_set_and_turned_off_at_once(tmp_path):
+def test_publish_takes_no_smoke_run_since_flodls_manifest_has_no_field_for_it(tmp_path):
     publish_script = Path(console_script()).with_name("fdl-prepare-publish")
     if not publish_script.exists():
         pytest.skip("the fdl-prepare-publish console script is not installed (pip install -e .)")
     argv = [str(publish_script), str(tmp_path), "--bin", "train", "--to", "file:///x", "--signing-key", "/k"]
-    done = subprocess.run([*argv, "--smoke", "--quick", "--no-smoke"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, done.stderr
-    assert "--smoke ARG to set the smoke run, or --no-smoke to turn it off, not both" in done.stderr
+    for flag in (["--smoke", "--quick"], ["--no-smoke"]):
+        done = subprocess.run([*argv, *flag], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr
+        assert f"No such option: {flag[0]}" in done.stderr

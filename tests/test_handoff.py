@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from nix_fixtures import build, manifest_text, private_dir, trainer
+from nix_fixtures import MANIFEST, build, manifest_text, private_dir, trainer
 from nvml_fixtures import FakeGpu
 
 from prepare.fail import Fail
@@ -125,7 +125,7 @@ def test_a_redial_of_the_same_run_keeps_its_directory_and_a_new_publish_prunes_t
     assert Path(first.bin.cwd, "runs", "ckpt").read_text() == "step\n"
     assert any("kept from the last attempt of this run" in n for n in notes)
 
-    src.commit({".fdl-run.toml": manifest_text(bin="train", build=CHECKPOINTING, run="run-2")}, "publish run-2")
+    src.commit({MANIFEST: manifest_text(bin="train", build=CHECKPOINTING, run="run-2")}, "publish run-2")
     notes = []
     second = build(spec(test_flake, state, src.url), notes)
 
@@ -160,7 +160,7 @@ def test_a_symlink_the_training_user_plants_in_the_run_directory_sends_no_write_
     assert planted.returncode == 0, planted.stderr
 
     build(spec(test_flake, state, src.url))  # a re-dial: kept, nothing written in it
-    src.commit({".fdl-run.toml": manifest_text(bin="train", build=CHECKPOINTING, run="run-2")}, "publish run-2")
+    src.commit({MANIFEST: manifest_text(bin="train", build=CHECKPOINTING, run="run-2")}, "publish run-2")
     build(spec(test_flake, state, src.url))  # a new run: the old directory pruned
 
     assert not os.path.lexists(first.bin.cwd)

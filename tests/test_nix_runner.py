@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, build, nix_as, require_nix, trainer
+from nix_fixtures import MANIFEST, NIX_CONFIG, build, nix_as, require_nix, trainer
 
 from prepare.fail import Fail
 from prepare.nix import runner as nix_mod
@@ -452,7 +452,7 @@ def test_a_full_store_is_permanent_whichever_step_finds_it_full(
     big = tmp_path / "big"
     big.mkdir()
     (big / "weights.bin").write_bytes(os.urandom(4 << 20))
-    (big / ".fdl-run.toml").write_text('bin = "x"\n')
+    (big / MANIFEST).write_text("bin: x\n")
     config = NIX_CONFIG + f"store = {tiny_store}\n" + ("gc-reserved-space = 0\n" if reserved == "none" else "")
     monkeypatch.setenv("NIX_CONFIG", config)
     spec = PrepareSpec(
@@ -615,7 +615,7 @@ UNPARSABLE_SOURCES = {
 def _unparsable_source(tmp_path: Path, case: str) -> tuple[str, tuple[str, ...]]:
     tree = tmp_path / "tree"
     tree.mkdir(exist_ok=True)
-    (tree / ".fdl-run.toml").write_text('bin = "train"\n')
+    (tree / MANIFEST).write_text("bin: train\n")
     (tmp_path / "notes.txt").write_text("not an archive\n")
     url, said = UNPARSABLE_SOURCES[case]
     return url.format(tree=tree, tmp=tmp_path), said

@@ -161,7 +161,7 @@ ACCOUNTED: dict[str, str] = {
         "test_publish_fills_a_cache_and_commits_and_pushes_the_manifest"
     ),
     "fdl-prepare publish ~/src/train --bin train --variant cpu --variant cu128 --arg --epochs --arg 90 "
-    "--smoke=--smoke --to file:///srv/cache --signing-key /etc/fdl/cache.secret --flake github:example/fleet "
+    "--to file:///srv/cache --signing-key /etc/fdl/cache.secret --flake github:example/fleet "
     "--commit --push": "test_publish_fills_a_cache_and_commits_and_pushes_the_manifest",
     "fdl-prepare publish ~/src/train --bin train --variant cpu --to file:///var/cache/fdl-stage --signing-key "
     "/etc/fdl/cache.secret --flake github:example/fleet --json | jq -r '.outputs[] | .libtorch, .training' > "
@@ -825,15 +825,17 @@ def test_publish_fills_a_cache_and_commits_and_pushes_the_manifest(publish_rig):
     done = publish_rig.sh(
         command(
             "fdl-prepare publish ~/src/train --bin train --variant cpu --variant cu128 --arg --epochs --arg 90 "
-            "--smoke=--smoke --to file:///srv/cache --signing-key /etc/fdl/cache.secret --flake github:example/fleet "
+            "--to file:///srv/cache --signing-key /etc/fdl/cache.secret --flake github:example/fleet "
             "--commit --push"
         ),
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    pushed = git(publish_rig.cwd / "upstream.git", "show", "main:.fdl-run.toml")
+    pushed = git(publish_rig.cwd / "upstream.git", "show", f"main:{run_manifest.FILENAME}")
     manifest = run_manifest.parse(pushed)
-    assert manifest.bin == "train" and manifest.args == ("--epochs", "90") and manifest.smoke == ("--smoke",)
+    assert manifest.bin == "train" and manifest.args == ("--epochs", "90") and manifest.unknown_count == 0
+    sidecar = git(publish_rig.cwd / "upstream.git", "show", f"main:{run_manifest.DIGEST_FILE}")
+    assert manifest.digest is not None and manifest.digest.files == len(sidecar.splitlines())
     cache = Path(publish_rig.values["cache_dir"].removeprefix("file://"))
     assert len(list(cache.glob("*.narinfo"))) >= 4, sorted(p.name for p in cache.iterdir())
 
@@ -861,8 +863,9 @@ def test_a_publish_for_attic_or_cachix_leaves_the_paths_to_push_and_the_manifest
     pusher = shlex.split(command("cachix push example-fleet < fdl-paths.txt").replace("<", "'<'"))
     assert pusher[:3] == ["cachix", "push", "example-fleet"] and pusher[-1] == "fdl-paths.txt"
     checkout = Path(publish_rig.values["checkout"])
-    assert (checkout / ".fdl-run.toml").is_file()
-    assert git(checkout, "status", "--porcelain", "--", ".fdl-run.toml").startswith("??")
+    for name in (".fdl-run.yml", ".fdl-run.sha256"):
+        assert (checkout / name).is_file()
+        assert git(checkout, "status", "--porcelain", "--", name).startswith("??")
 
 
 # -- Links ------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from nix_fixtures import (
+    MANIFEST,
     NIX_BUILDS,
     NIX_CONFIG,
     build,
@@ -81,7 +82,7 @@ def test_a_sigkilled_prepare_leaves_no_nix_to_rewrite_the_out_links(nix_env, tes
     # enough to see that nothing writes the links once it would have ended.
     marker = f"4.{os.getpid()}{time.time_ns() % 1000}"
     slow = f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
-    src.commit({".fdl-run.toml": manifest_text(bin="train", build=slow)}, "slow build")
+    src.commit({MANIFEST: manifest_text(bin="train", build=slow)}, "slow build")
     argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake]
     argv += ["--source", src.url, "--state-dir", state_dir]
     child = subprocess.Popen(
@@ -144,7 +145,7 @@ def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt
     before = _ours(NIX_BUILDS)
     marker = f"30.{os.getpid()}{time.time_ns() % 1000}"
     build = f"sleep {marker}; printf '#!/bin/sh\\n' > train; chmod +x train"
-    src = git_source({".fdl-run.toml": manifest_text(bin="train", build=build)})
+    src = git_source({MANIFEST: manifest_text(bin="train", build=build)})
     argv = [sys.executable, "-m", "prepare", "--cpu-only", "--libtorch", "cpu", "--flake", test_flake]
     argv += ["--source", src.url, "--state-dir", state_dir]
     env = {**os.environ, "NIX_CONFIG": f"{NIX_CONFIG}sandbox = {sandbox}\n", "TMPDIR": str(tmp)}
@@ -171,7 +172,7 @@ def test_the_build_directory_a_sigkilled_prepare_left_goes_with_the_next_attempt
         assert recorded and all(p.parent in (tmp, parent) and p.name.startswith("fdl-prepare-nix.") for p in recorded)
         left = [b for d in recorded if d.parent == parent for b in d.iterdir() if b.name.startswith("nix-")]
         assert left, f"no build directory in {recorded}"
-        src.commit({".fdl-run.toml": manifest_text(bin="train", build="printf '#!/bin/sh\\n' > train; chmod +x train")})
+        src.commit({MANIFEST: manifest_text(bin="train", build="printf '#!/bin/sh\\n' > train; chmod +x train")})
         done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
         assert done.returncode == 0, done.stderr
         assert not [p for p in [*recorded, *left] if p.exists()], f"left behind: {left} (in {recorded})"

@@ -4,7 +4,7 @@ in the driver directory (tests/driver_fixtures.py) passes when the driver
 directory holds it and fails, permanently and with the loader's words, when
 it does not; a timeout and any other failure are transient. Through the
 pipeline, the example trainer (a Rust crate over the real libtorch) takes
-one training step from its run manifest's smoke run, and the same crate
+one training step in the box's smoke run (`--smoke`), and the same crate
 linked without a RUNPATH to libtorch fails it permanently."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from driver_fixtures import smoke_binary
-from nix_fixtures import manifest_text, procs_with
+from nix_fixtures import DIGEST, MANIFEST, manifest_text, procs_with
 from nvml_fixtures import ampere_pair
 from other_user import reachable_dir, run_as
 
@@ -439,7 +439,8 @@ def example_files() -> dict[str, str | None]:
 @pytest.fixture
 def example_source(git_source):
     """The example trainer (a Rust crate over the real libtorch) as a
-    published source, its manifest as shipped: it asks for `--smoke`."""
+    published source, its run files as shipped (floDl's manifest and digest;
+    the smoke run, `--smoke`, is the box's)."""
     return git_source(example_files())
 
 
@@ -468,7 +469,7 @@ def driver_probe_source(git_source):
     return git_source(
         {
             "build.sh": DRIVER_PROBE,
-            ".fdl-run.toml": manifest_text(bin="train", build="/bin/sh build.sh", smoke=["--smoke"]),
+            MANIFEST: manifest_text(bin="train", build="/bin/sh build.sh"),
         }
     )
 
@@ -491,7 +492,8 @@ def test_the_example_trainers_smoke_run_takes_a_training_step_before_prepare_suc
     nix_env, torch_flake, state_dir, example_source, box
 ):
     notes: list[str] = []
-    done = prepare(_spec(torch_flake, state_dir, example_source.url, libtorch="cpu", cpu_only=True), notes)
+    spec = _spec(torch_flake, state_dir, example_source.url, libtorch="cpu", cpu_only=True, smoke=("--smoke",))
+    done = prepare(spec, notes)
     assert done.bin is not None
     assert list(done.timings)[-2:] == ["build", "smoke"]
     passed = [n for n in notes if n.startswith(f"smoke run `{done.bin.path} --smoke`") and " passed in " in n]
@@ -508,14 +510,13 @@ def test_a_binary_whose_libtorch_is_out_of_its_reach_fails_the_smoke_run_permane
     # Built as a merged root in the build directory leaves it: linked against
     # libtorch there, with no RUNPATH to the store's (no NIX_LDFLAGS).
     files = example_files()
-    files[".fdl-run.toml"] = manifest_text(
-        bin="target/release/train",
-        build="NIX_LDFLAGS= /usr/bin/cargo build --release --offline",
-        smoke=["--smoke"],
+    files[MANIFEST] = manifest_text(
+        bin="target/release/train", build="NIX_LDFLAGS= /usr/bin/cargo build --release --offline"
     )
+    del files[DIGEST]  # no digest: the tree is not the example's as published
     source = git_source(files)
     with pytest.raises(Fail) as failed:
-        prepare(_spec(torch_flake, state_dir, source.url, libtorch="cpu", cpu_only=True), [])
+        prepare(_spec(torch_flake, state_dir, source.url, libtorch="cpu", cpu_only=True, smoke=("--smoke",)), [])
     fail = failed.value
     assert fail.permanent and fail.reason == "smoke.loader"
     assert "error while loading shared libraries: libtorch_cpu.so: cannot open shared object file" in fail.message
@@ -530,7 +531,7 @@ def test_a_cuda_build_on_a_box_without_the_driver_directory_stops_at_the_smoke_r
         pytest.skip("this machine has a driver directory holding libcuda.so.1")
     nvml_box(ampere_pair())
     with pytest.raises(Fail) as failed:
-        prepare(_spec(test_flake, state_dir, driver_probe_source.url, libtorch="cu128"), [])
+        prepare(_spec(test_flake, state_dir, driver_probe_source.url, libtorch="cu128", smoke=("--smoke",)), [])
     fail = failed.value
     assert fail.permanent and fail.reason == "smoke.loader"
     assert "libcuda.so.1: cannot open shared object file" in fail.message
@@ -538,49 +539,39 @@ def test_a_cuda_build_on_a_box_without_the_driver_directory_stops_at_the_smoke_r
 
 
 @pytest.mark.nix
-def test_the_manifests_smoke_outranks_the_boxs_and_an_empty_one_runs_nothing(
+def test_the_smoke_run_is_the_boxs_and_a_manifests_smoke_key_is_only_noted(
     nix_env, test_flake, state_dir, git_source, box
 ):
+    # floDl's manifest has no smoke: a publisher's `smoke` key is not floDl's,
+    # so it is named as unknown and runs nothing; the box's own runs.
     build = (
         'printf \'#!/bin/sh\\n[ "$1" = --ok ] || { echo "bad smoke: $*" >&2; exit 4; }\\n\' > train && chmod +x train'
     )
-    published = git_source({".fdl-run.toml": manifest_text(bin="train", build=build, smoke=["--ok"])})
-    spec = _spec(test_flake, state_dir, published.url, libtorch="cpu", cpu_only=True, smoke=("--wrong",))
+    published = git_source({MANIFEST: manifest_text(bin="train", build=build, smoke=["--wrong"])})
+    spec = _spec(test_flake, state_dir, published.url, libtorch="cpu", cpu_only=True, smoke=("--ok",))
     notes: list[str] = []
     prepare(spec, notes)
     assert any(n.startswith("smoke run ") and "--ok` " in n for n in notes), notes
+    assert any("has 1 key this fdl-prepare does not know, ignored: smoke" in n for n in notes)
 
-    unpublished = git_source({".fdl-run.toml": manifest_text(bin="train", build=build)})
     with pytest.raises(Fail) as failed:
-        prepare(_spec(test_flake, state_dir, unpublished.url, libtorch="cpu", cpu_only=True, smoke=("--wrong",)), [])
+        prepare(_spec(test_flake, state_dir, published.url, libtorch="cpu", cpu_only=True, smoke=("--wrong",)), [])
     assert failed.value.reason == "smoke.failed" and "bad smoke: --wrong" in failed.value.message
 
-    silenced = git_source({".fdl-run.toml": manifest_text(bin="train", build=build, smoke=[])})
     notes = []
-    done = prepare(_spec(test_flake, state_dir, silenced.url, libtorch="cpu", cpu_only=True, smoke=("--wrong",)), notes)
+    done = prepare(_spec(test_flake, state_dir, published.url, libtorch="cpu", cpu_only=True), notes)
     assert "smoke" not in done.timings and not any(n.startswith("smoke run") for n in notes)
 
 
 # -- the recipe ---------------------------------------------------------------------------
 
 
-def test_a_manifests_smoke_is_a_list_of_strings_and_a_bad_one_waits_for_the_next_publish():
-    from prepare.build import manifest
-
-    assert manifest.parse('bin = "train"\nsmoke = ["--smoke", "--steps", "1"]\n').smoke == ("--smoke", "--steps", "1")
-    with pytest.raises(Fail) as failed:
-        manifest.parse('bin = "train"\nsmoke = "--smoke"\n')
-    assert not failed.value.permanent and failed.value.reason == "source.manifest-invalid"
-    assert "smoke" in failed.value.message
-
-
-def test_the_recipe_takes_the_manifests_smoke_else_the_boxs():
+def test_the_recipe_takes_the_boxs_smoke_whatever_the_manifest_says():
     from prepare.build import manifest
 
     box = SourceSpec(from_="path:/x", bin="train", smoke=("--box",))
-    assert manifest.merge(box, manifest.parse("smoke = []\n"), "path:/x").smoke == ()
-    assert manifest.merge(box, manifest.parse('smoke = ["--run"]\n'), "path:/x").smoke == ("--run",)
-    assert manifest.merge(box, manifest.parse('bin = "train"\n'), "path:/x").smoke == ("--box",)
+    assert manifest.merge(box, manifest.parse("bin: train\nsmoke: []\n"), "path:/x").smoke == ("--box",)
+    assert manifest.merge(box, manifest.parse("bin: train\n"), "path:/x").smoke == ("--box",)
     assert manifest.merge(box, None, "path:/x").smoke == ("--box",)
     # Not part of the build: the flake gets the same recipe either way.
     with_smoke = manifest.merge(box, None, "path:/x").flake_input("cpu", 1)

@@ -211,7 +211,7 @@ def test_an_attempt_started_from_a_terminal_gives_its_smoke_run_none_of_it(
     import subprocess
     import termios
 
-    from nix_fixtures import _git, manifest_text
+    from nix_fixtures import MANIFEST, _git, manifest_text
 
     static = probe / "probe-static"
     subprocess.run(
@@ -219,7 +219,7 @@ def test_an_attempt_started_from_a_terminal_gives_its_smoke_run_none_of_it(
     )
     src = git_source(
         {
-            ".fdl-run.toml": manifest_text(bin="train", build="cp probe train && chmod +x train"),
+            MANIFEST: manifest_text(bin="train", build="cp probe train && chmod +x train"),
             "README": f"probe source {os.getpid()}.{time.time_ns()}\n",
         }
     )

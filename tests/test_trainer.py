@@ -20,17 +20,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from nix_fixtures import NIX_CONFIG, nix_system, sandbox_paths
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 pytestmark = pytest.mark.nix
 
@@ -71,8 +65,11 @@ def overrides(env: dict[str, str], tree: Path, directory: Path, **recipe: object
 
 
 def example_recipe() -> dict[str, object]:
-    manifest = tomllib.loads((EXAMPLE / ".fdl-run.toml").read_text())
-    return {"libtorch": "cpu", "cwd": manifest["cwd"], "build": manifest.get("build"), "bin": manifest["bin"]}
+    from prepare.build import manifest as manifest_mod
+
+    manifest = manifest_mod.read(str(EXAMPLE))
+    assert manifest is not None
+    return {"libtorch": "cpu", "cwd": manifest.cwd or ".", "build": manifest.build, "bin": manifest.bin}
 
 
 def example_copy(dest: Path, nonce: str | None = None) -> Path:
@@ -409,7 +406,7 @@ def test_a_cuda_build_sees_cuda_home_with_lib64_and_the_cuda_feature(env, test_f
 def test_a_source_without_cargo_lock_is_transient_the_sources_reason_before_anything_is_evaluated(
     nix_env, test_flake, state_dir, git_source, monkeypatch, tmp_path
 ):
-    from nix_fixtures import manifest_text
+    from nix_fixtures import MANIFEST, manifest_text
 
     from prepare.fail import Fail
     from prepare.pipeline import prepare
@@ -418,7 +415,7 @@ def test_a_source_without_cargo_lock_is_transient_the_sources_reason_before_anyt
     (tmp_path / "home").mkdir()
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     source = git_source(
-        {"Cargo.toml": '[package]\nname = "trainer"\nversion = "0.1.0"\n', ".fdl-run.toml": manifest_text(bin="train")}
+        {"Cargo.toml": '[package]\nname = "trainer"\nversion = "0.1.0"\n', MANIFEST: manifest_text(bin="train")}
     )
     spec = PrepareSpec(
         source=SourceSpec(from_=source.url), flake=test_flake, state_dir=state_dir, libtorch="cpu", cpu_only=True

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from nix_fixtures import NIX_CONFIG, build, manifest_text, procs_left, trainer
+from nix_fixtures import MANIFEST, NIX_CONFIG, build, manifest_text, procs_left, trainer
 
 from prepare.build import record
 from prepare.build.choose import CONTRACT
@@ -483,11 +483,11 @@ def test_a_manifest_changed_without_a_new_commit_is_not_missed(nix, test_flake, 
     tree = tmp_path / "tree"
     tree.mkdir()
     line = "printf '#!/bin/sh\\necho %s\\n' > train && chmod +x train"
-    (tree / ".fdl-run.toml").write_text(manifest_text(bin="train", build=line % "a"))
+    (tree / MANIFEST).write_text(manifest_text(bin="train", build=line % "a"))
     spec = cpu_spec(test_flake, state_dir, f"path:{tree}")
     first = attempt(nix, spec)
     nix.calls()
-    (tree / ".fdl-run.toml").write_text(manifest_text(bin="train", build=line % "b"))
+    (tree / MANIFEST).write_text(manifest_text(bin="train", build=line % "b"))
     second = attempt(nix, spec)
     assert nix.evaluations() == 1 and second.bin != first.bin
     assert subprocess.run([second.bin.path], capture_output=True, text=True).stdout.strip() == "b"

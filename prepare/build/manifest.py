@@ -1,10 +1,18 @@
-"""The run manifest (`.fdl-run.toml`) and the recipe it makes with the box's own.
+"""floDl's run manifest (`.fdl-run.yml`) and the recipe it makes with the box's own.
 
-A publish writes `.fdl-run.toml` at the root of the training source tree last:
-its presence is the commit point. Everything in it belongs to the run (which
-binary, built how, with which arguments), so it outranks the box's
-`[join.source]` field by field; a field it leaves out keeps the box's value,
-so a box can carry defaults that a publish does not have to repeat.
+The manifest is floDl's file (flodl-cli's `source::Manifest`, written by
+`fdl publish` and by `fdl-prepare publish`), read here field for field with
+floDl's defaults: `bin` is required, `args` absent is `[]`, `built` absent
+is false, every other field absent is "not said". Its presence at the root
+of the published tree is the commit point: a publish removes it first and
+writes it last, after the digest sidecar (prepare.build.digest).
+
+Everything in it belongs to the run (which binary, built how, with which
+arguments), so it outranks the box's `[join.source]` field by field; a field
+it leaves out keeps the box's value. What the run manifest does not carry
+stays the box's: the smoke run's arguments above all, which floDl's manifest
+has no field for (and floDl's reader, like older floDl workers' strict one,
+must read every manifest a publish writes).
 
 A broken manifest is transient, not permanent: the publisher fixes it with the
 next publish, and a box in a persist loop should pick that up by itself.
@@ -19,49 +27,76 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import re
 import stat
-import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
+
+import yaml
 
 from prepare.fail import Fail
 from prepare.host import human
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+try:  # libyaml's parser when PyYAML was built with it: faster, same events
+    from yaml import CSafeLoader as _SafeBase
+except ImportError:  # pragma: no cover - a PyYAML without libyaml
+    from yaml import SafeLoader as _SafeBase  # type: ignore[assignment]
 
-FILENAME = ".fdl-run.toml"
+# floDl's names (flodl-cli/src/source.rs MANIFEST_FILE, source_set.rs DIGEST_FILE).
+FILENAME = ".fdl-run.yml"
+DIGEST_FILE = ".fdl-run.sha256"
 
-_FIELDS = ("bin", "cwd", "build", "args", "smoke", "run", "built", "published_epoch", "origin")
-_TYPES: dict[str, tuple[type, str]] = {
-    "bin": (str, "a string (a name or a path relative to cwd)"),
-    "cwd": (str, "a string (a directory relative to the source root)"),
-    "build": (str, "a string (a shell line)"),
-    "args": (list, "a list of strings"),
-    "smoke": (list, "a list of strings (the smoke run's arguments; [] runs none)"),
-    "run": (str, "a string (the run's identity)"),
-    "built": (bool, "true or false"),
-    "published_epoch": (int, "an integer (seconds since the epoch)"),
-    "origin": (str, "a string"),
+# floDl's `Manifest` fields, in the order floDl writes them, and its digest's.
+FIELDS = ("cwd", "build", "bin", "args", "origin", "rustc", "published_epoch", "run", "built", "digest")
+DIGEST_FIELDS = ("sha256", "files", "bytes")
+_STRINGS = {
+    "bin": "a string (the artifact, a path relative to cwd)",
+    "cwd": "a string (a directory relative to the source root)",
+    "build": "a string (a shell line)",
+    "origin": "a string (where the publisher got the tree)",
+    "rustc": "a string (`rustc -V` on the publisher)",
+    "run": "a string (the run's identity)",
 }
+
+# A manifest is a few hundred bytes; a larger "manifest" is not one.
+MAX_BYTES = 1 << 20
+# floDl's manifest is two levels deep (digest's mapping in the top one); a
+# YAML of thousands of nested levels is built to exhaust a parser.
+MAX_DEPTH = 16
+# YAML nodes in one manifest: 1 MiB of `[[],[],...]` is a quarter million.
+MAX_NODES = 50_000
+# The unknown keys a note names; the rest are counted.
+NOTED_UNKNOWN = 8
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Digest:
+    """floDl's `TreeDigest`: the sha256 of the sidecar's bytes (hex), and the
+    number of files and bytes it lists."""
+
+    sha256: str
+    files: int
+    bytes: int
 
 
 @dataclass(frozen=True)
 class Manifest:
-    bin: str | None = None
+    bin: str
     cwd: str | None = None
     build: str | None = None
-    args: tuple[str, ...] | None = None
-    smoke: tuple[str, ...] | None = None
-    run: str | None = None
-    built: bool | None = None
-    published_epoch: int | None = None
+    args: tuple[str, ...] = ()
     origin: str | None = None
-    # Keys this version does not know: ignored (a newer publisher may add
-    # fields), but named in a note so a typo does not go unnoticed.
+    rustc: str | None = None
+    published_epoch: int | None = None
+    run: str | None = None
+    built: bool = False
+    digest: Digest | None = None
+    # Keys this version does not know: ignored (a newer floDl may add
+    # fields), but named in a note so a typo does not go unnoticed. At most
+    # NOTED_UNKNOWN of them, and how many there were in all.
     unknown: tuple[str, ...] = ()
+    unknown_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,8 +107,8 @@ class Recipe:
     cwd: str = "."
     build: str | None = None
     args: tuple[str, ...] | None = None
-    # The smoke run's arguments: the manifest's where it has them (the
-    # publisher knows its binary), else the box's. Not part of the build.
+    # The smoke run's arguments: the box's (`[join.source] smoke`). floDl's
+    # manifest has no such field. Not part of the build.
     smoke: tuple[str, ...] | None = None
     run_id: str | None = None
     built: bool | None = None
@@ -90,72 +125,248 @@ class Recipe:
         return {"contract": contract, "libtorch": libtorch, "cwd": self.cwd, "build": self.build, "bin": self.bin}
 
 
+# -- YAML, bounded ---------------------------------------------------------------------------------
+
+
+class _Refused(yaml.YAMLError):
+    """A YAML construct a manifest has no use for and a hostile one abuses."""
+
+
+def _int(loader: Any, node: yaml.ScalarNode) -> int:
+    # YAML 1.2's integers: `017` is seventeen (YAML 1.1 read it as octal).
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    return int(text, 0) if text[:2] in ("0o", "0x") else int(text, 10)
+
+
+class _Loader(_SafeBase):
+    """The safe loader with YAML 1.2's core schema, as floDl's serde_yaml_ng
+    reads: `yes`, `on` and `no` are strings, not booleans. Keys must be
+    strings, each once: PyYAML keeps the last of two equal keys, serde
+    refuses them, and a manifest whose second `bin` silently wins would
+    build another binary than the one a reader sees first."""
+
+    yaml_implicit_resolvers: dict[Any, Any] = {}
+
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        if not isinstance(node, yaml.MappingNode):
+            raise _Refused(f"expected a mapping, found a {type(node).__name__}")
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str):
+                raise _Refused(f"a key that is not a string ({_short(repr(key))}, line {key_node.start_mark.line + 1})")
+            if key in out:
+                raise _Refused(f"the key {_short(repr(key))} twice (line {key_node.start_mark.line + 1})")
+            out[key] = self.construct_object(value_node, deep=deep)
+        return out
+
+
+# YAML 1.2's core schema: what a plain scalar is, when it is not a string.
+_CORE: tuple[tuple[str, str, str | list[str]], ...] = (
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("int", r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+    ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+)
+for _tag, _pattern, _first in _CORE:
+    _Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
+_Loader.add_constructor("tag:yaml.org,2002:int", _int)
+
+
+def _load(text: str) -> Any:
+    """The one document in `text`. Before anything is built, the event
+    stream is walked once: an alias or an anchor is refused (a manifest
+    has no use for one, and a few lines of aliases expand to billions of
+    nodes), and so is nesting past MAX_DEPTH or more than MAX_NODES nodes.
+    The walk is a loop over events, so depth costs no stack."""
+    depth = nodes = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, yaml.AliasEvent):
+            raise _Refused(f"an alias (*{_short(str(event.anchor))}{_line(event.start_mark)})")
+        if isinstance(event, yaml.NodeEvent):
+            nodes += 1
+            if event.anchor is not None:
+                raise _Refused(f"an anchor (&{_short(str(event.anchor))}{_line(event.start_mark)})")
+            if nodes > MAX_NODES:
+                raise _Refused(f"more than {MAX_NODES} values")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _Refused(f"lists or mappings nested more than {MAX_DEPTH} levels deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    loader = _Loader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _line(mark: Any) -> str:
+    return f", line {mark.line + 1}" if mark is not None else ""
+
+
+def _short(text: str, limit: int = 80) -> str:
+    text = human.printable(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+def _invalid(where: str, problem: str) -> Fail:
+    return Fail("source.manifest-invalid", f"the run manifest {where} {problem}: publish a fixed {FILENAME}")
+
+
 def parse(text: str, where: str = FILENAME) -> Manifest:
     """Parse a manifest's text. Every problem is a transient Fail naming the
     file and the key, because the fix is a new publish."""
+    if "\0" in text:
+        # YAML has no NUL; no path or argument the kernel takes holds one.
+        raise _invalid(where, f"has a NUL character (\\u0000) on line {text[: text.index(chr(0))].count(chr(10)) + 1}")
     try:
-        table = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as bad:
-        raise Fail(
-            "source.manifest-invalid", f"the run manifest {where} is not valid TOML ({bad}): publish a fixed {FILENAME}"
-        ) from None
-    except RecursionError:
-        raise Fail(
-            "source.manifest-invalid",
-            f"the run manifest {where} nests arrays or tables thousands of levels deep, past what can be read: "
-            f"publish a fixed {FILENAME}",
-        ) from None
+        table = _load(text)
+    except _Refused as refused:
+        raise _invalid(where, f"holds {refused}, which a run manifest never does") from None
+    except yaml.YAMLError as bad:
+        shown = human.printable(str(bad).replace("\n", " "))
+        raise _invalid(where, f"is not valid YAML ({shown[:300]})") from None
+    except (ValueError, OverflowError, RecursionError) as bad:
+        raise _invalid(where, f"holds a value YAML cannot read ({_short(str(bad))})") from None
+    if not isinstance(table, dict):
+        got = "nothing" if table is None else f"a {_kind(table)}"
+        raise _invalid(where, f"holds {got}, not a mapping of keys (bin, args, run, ...)")
     values: dict[str, Any] = {}
-    for key in _FIELDS:
-        if key not in table:
-            continue
-        value = table[key]
-        want, described = _TYPES[key]
-        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-        if ok and key in ("args", "smoke"):
-            ok = all(isinstance(a, str) for a in value)
-        if not ok:
-            shown = repr(value)
-            shown = shown if len(shown) <= 200 else shown[:197] + "..."
-            raise Fail(
-                "source.manifest-invalid",
-                f"the run manifest {where} has {key} = {shown}, expected {described}: publish a fixed {FILENAME}",
-            )
-        items = value if key in ("args", "smoke") else [value]
-        # A NUL ends every path and argument the kernel takes: no command
-        # line or path could carry the value as written.
-        if any("\0" in item for item in items if isinstance(item, str)):
-            raise Fail(
-                "source.manifest-invalid",
-                f"the run manifest {where} has a NUL character (\\u0000) in {key}, which no path or argument can "
-                f"hold: publish a fixed {FILENAME}",
-            )
-        # The same bounds as the box's own values (prepare.config.fields): past
-        # them, the kernel would refuse the command line (E2BIG).
-        long = _too_long(key, items)
-        if long:
-            raise Fail(
-                "source.manifest-invalid", f"the run manifest {where} has {key} {long}: publish a fixed {FILENAME}"
-            )
-        values[key] = tuple(value) if key in ("args", "smoke") else value
-    unknown = tuple(sorted(k for k in table if k not in _FIELDS))
-    return Manifest(**values, unknown=unknown)
+    for key in FIELDS:
+        value = table.get(key)
+        if key == "bin" and value is None:
+            raise _invalid(where, "has no bin (the artifact the run starts, relative to cwd); floDl requires it")
+        if value is None:
+            continue  # floDl's Option fields: null is absent
+        values[key] = _value(key, value, where)
+    unknown = sorted(k for k in table if k not in FIELDS)
+    digest_table = table.get("digest")
+    if isinstance(digest_table, dict):
+        unknown += sorted(f"digest.{k}" for k in digest_table if k not in DIGEST_FIELDS)
+    return Manifest(
+        **values,
+        unknown=tuple(_short(k, 60) for k in unknown[:NOTED_UNKNOWN]),
+        unknown_count=len(unknown),
+    )
 
 
-def _too_long(key: str, items: list[Any]) -> str | None:
+def _kind(value: Any) -> str:
+    return {dict: "mapping", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _value(key: str, value: Any, where: str) -> Any:
+    def wrong(expected: str) -> Fail:
+        return _invalid(where, f"has {key} = {_short(repr(value), 200)}, expected {expected}")
+
+    if key in _STRINGS:
+        if not isinstance(value, str):
+            raise wrong(_STRINGS[key])
+        _bounded(key, [value], where)
+        return value
+    if key == "args":
+        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+            raise wrong("a list of strings (the binary's arguments)")
+        _bounded(key, value, where)
+        return tuple(value)
+    if key == "built":
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
+    if key == "published_epoch":
+        if not _count(value):
+            raise wrong("a whole number of seconds since the epoch")
+        return value
+    # digest
+    if not isinstance(value, dict):
+        raise wrong("a mapping of sha256, files and bytes")
+    sha, files, size = (value.get(k) for k in DIGEST_FIELDS)
+    counts: dict[str, int] = {}
+    if not isinstance(sha, str) or not _HEX64.fullmatch(sha):
+        raise _invalid(where, f"has digest.sha256 = {_short(repr(sha))}, expected 64 lowercase hex digits")
+    for name, number in (("files", files), ("bytes", size)):
+        if not _count(number):
+            raise _invalid(where, f"has digest.{name} = {_short(repr(number))}, expected a whole number")
+        counts[name] = number
+    return Digest(sha256=sha, files=counts["files"], bytes=counts["bytes"])
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    # floDl's u64 and usize.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64
+
+
+def _bounded(key: str, items: list[str], where: str) -> None:
+    # A NUL ends every path and argument the kernel takes: no command line
+    # or path could carry the value as written.
+    if any("\0" in item for item in items):
+        raise _invalid(where, f"has a NUL character (\\u0000) in {key}, which no path or argument can hold")
+    # The same bounds as the box's own values (prepare.config.fields): past
+    # them, the kernel would refuse the command line (E2BIG).
+    long = _too_long(key, items)
+    if long:
+        raise _invalid(where, f"has {key} {long}")
+
+
+def _too_long(key: str, items: list[str]) -> str | None:
     from prepare.config.kinds import LIMITS, MAX_LIST_BYTES, MAX_STRING_BYTES, too_long
 
     total = 0
     for index, item in enumerate(items):
-        if not isinstance(item, str):
-            continue
         long = too_long(item, MAX_STRING_BYTES, "value")
         if long:
-            return f"{'item ' + str(index) + ' that ' if key in ('args', 'smoke') else 'that '}{long}"
+            return f"{'item ' + str(index) + ' that ' if key == 'args' else 'that '}{long}"
         total += len(item.encode("utf-8", "surrogatepass")) + 1
     if total > MAX_LIST_BYTES:
         return f"holding {total} bytes in all, past the {MAX_LIST_BYTES // 1024} KiB a list may (limits: {LIMITS})"
     return None
+
+
+# -- writing ---------------------------------------------------------------------------------------
+
+
+class _Dumper(yaml.SafeDumper):
+    """Quotes every string that YAML 1.1 or 1.2 would read as anything else
+    (`yes`, `0o17`, `~`), so floDl, this reader and any other read the
+    strings that were written."""
+
+
+for _tag, _pattern, _first in _CORE:
+    _Dumper.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
+
+
+def dump(manifest: Manifest, header: str = "") -> str:
+    """The manifest as floDl writes it: its fields in its order, a field
+    that is not set left out (serde's `skip_serializing_if`), `bin`,
+    `args` and `built` always there; no key floDl's struct lacks."""
+    table: dict[str, Any] = {}
+    for key in FIELDS:
+        value = getattr(manifest, key)
+        if key == "args":
+            table[key] = list(value)
+        elif key == "digest" and value is not None:
+            table[key] = {"sha256": value.sha256, "files": value.files, "bytes": value.bytes}
+        elif value is not None:
+            table[key] = value
+    body = yaml.dump(
+        table, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True, width=1 << 30
+    )
+    text = header + body
+    parse(text)  # what the boxes will read, read back before it is written
+    return text
+
+
+# -- the file --------------------------------------------------------------------------------------
 
 
 def read(source_root: str) -> Manifest | None:
@@ -166,7 +377,7 @@ def read(source_root: str) -> Manifest | None:
     replacement characters: a garbled run id would pass silently."""
     path = os.path.join(source_root, FILENAME)
     try:
-        raw = _read_file(path)
+        raw = read_file(path, MAX_BYTES)
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -176,6 +387,12 @@ def read(source_root: str) -> Manifest | None:
                 f"the run manifest {path} is a symlink: a manifest is a file of the published tree, and root reads "
                 f"nothing outside it: publish {FILENAME} as a plain file",
             ) from None
+        if err.errno == errno.EINVAL:
+            raise Fail(
+                "source.manifest-invalid",
+                f"the run manifest {path} is not a regular file (a FIFO, a device or a socket): publish {FILENAME} "
+                "as a plain file",
+            ) from None
         raise Fail("source.manifest-invalid", f"cannot read the run manifest {path}: {human.oserror(err)}") from None
     try:
         text = raw.decode("utf-8")
@@ -183,20 +400,22 @@ def read(source_root: str) -> Manifest | None:
         line = raw[: bad.start].count(b"\n") + 1
         raise Fail(
             "source.manifest-invalid",
-            f"the run manifest {path} is not UTF-8 (byte 0x{raw[bad.start]:02x} on line {line}): TOML is UTF-8; "
-            f"publish a fixed {FILENAME}",
+            f"the run manifest {path} is not UTF-8 (byte 0x{raw[bad.start]:02x} on line {line}): floDl writes "
+            f"UTF-8; publish a fixed {FILENAME}",
         ) from None
     return parse(text, where=path)
 
 
-# A manifest is a few hundred bytes; a larger "manifest" is not one.
-MAX_BYTES = 1 << 20
-
-
-def _read_file(path: str) -> bytes:
-    """The manifest's bytes: never through a symlink (a published tree could
+def read_file(path: str, limit: int) -> bytes:
+    """A run file's bytes: never through a symlink (a published tree could
     point it at any file of this box, or at /dev/zero), never a device or a
-    FIFO, and never more than MAX_BYTES."""
+    FIFO, and never more than `limit` (EFBIG past it)."""
+    # Looked at before it is opened: opening a device can act on it.
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise OSError(errno.EINVAL, "not a regular file", path)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     try:
         mode = os.fstat(fd).st_mode
@@ -204,17 +423,29 @@ def _read_file(path: str) -> bytes:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
         if not stat.S_ISREG(mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
-        raw = b""
-        while len(raw) <= MAX_BYTES:
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 break
-            raw += chunk
+            chunks.append(chunk)
+            size += len(chunk)
     finally:
         os.close(fd)
-    if len(raw) > MAX_BYTES:
+    if size > limit:
         raise OSError(errno.EFBIG, os.strerror(errno.EFBIG), path)
-    return raw
+    return b"".join(chunks)
+
+
+def mid_publish(source_root: str) -> bool:
+    """A digest sidecar without a manifest: a publish writes the sidecar
+    first and the manifest last, so this tree is one caught between them
+    (or left by a publish that failed there)."""
+    return os.path.lexists(os.path.join(source_root, DIGEST_FILE))
+
+
+# -- the recipe ------------------------------------------------------------------------------------
 
 
 def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool, cwd: str = ".") -> str:
@@ -239,16 +470,26 @@ def _relative(value: str, key: str, from_manifest: bool, *, allow_dot: bool, cwd
     if from_manifest:
         raise Fail(
             "source.manifest-invalid",
-            f"the run manifest {FILENAME} has {key} = {value!r}; it must be {rule}: publish a fixed {FILENAME}",
+            f"the run manifest {FILENAME} has {key} = {_short(repr(value))}; it must be {rule}: publish a fixed "
+            f"{FILENAME}",
         )
     raise Fail("config.invalid", f"source.{key} = {value!r} must be {rule}: fix [join.source] {key} (--source-{key})")
 
 
-def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
+def merge(box: Any, manifest: Manifest | None, source_url: str, *, mid_publish: bool = False) -> Recipe:
     """Field by field, the manifest's value where it has one, else the box's.
 
-    No manifest and no `bin` on the box means nothing has been published yet:
-    transient, so a box provisioned ahead of the first publish waits for it."""
+    No manifest is "nothing published" (transient, so a box provisioned
+    ahead of the first publish waits for it) when the box declares no
+    `bin`, and always when the tree is caught mid-publish (`mid_publish`:
+    its digest sidecar without a manifest)."""
+    if manifest is None and mid_publish:
+        raise Fail(
+            "source.not-published",
+            f"the training source {source_url!r} has a digest sidecar ({DIGEST_FILE}) but no run manifest "
+            f"({FILENAME}): a publish is under way (it writes the manifest last), or one failed before the end. The "
+            "next attempt fetches again; if this persists, publish again (`fdl publish` or `fdl-prepare publish`)",
+        )
     box_values = {
         "bin": getattr(box, "bin", None),
         "cwd": getattr(box, "cwd", None),
@@ -272,8 +513,8 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
             )
         raise Fail(
             "source.manifest-invalid",
-            f"the run manifest {FILENAME} in {source_url!r} names no bin and the box declares none: publish a "
-            f"manifest with bin, or set source.bin (--source-bin)",
+            f"the run manifest {FILENAME} in {source_url!r} has an empty bin: publish a manifest whose bin names "
+            "the artifact",
         )
     cwd = _relative(got["cwd"], "cwd", origin_of["cwd"], allow_dot=True) if got["cwd"] else "."
     bin_ = _relative(got["bin"], "bin", origin_of["bin"], allow_dot=False, cwd=cwd)
@@ -283,7 +524,7 @@ def merge(box: Any, manifest: Manifest | None, source_url: str) -> Recipe:
         cwd=cwd,
         build=build,
         args=manifest.args if manifest is not None else None,
-        smoke=manifest.smoke if manifest is not None and manifest.smoke is not None else getattr(box, "smoke", None),
+        smoke=getattr(box, "smoke", None),
         run_id=manifest.run if manifest is not None else None,
         built=manifest.built if manifest is not None else None,
         published_epoch=manifest.published_epoch if manifest is not None else None,
@@ -316,10 +557,14 @@ def _span(seconds: int) -> str:
     return f"{seconds // 86400}d"
 
 
-def notes_for(recipe: Recipe, manifest: Manifest | None, now: float) -> list[str]:
+def notes_for(recipe: Recipe, manifest: Manifest | None, now: float, toolchain: str | None = None) -> list[str]:
     """What an operator wants to know about the publish this box will run.
     The manifest's strings are the publisher's: escaped, so that a `run`
-    or `origin` can neither forge a line of ours nor drive a terminal."""
+    or `origin` can neither forge a line of ours nor drive a terminal.
+
+    `toolchain` is the rustc this box's flake builds with, when the flake
+    says (the contract does not expose it yet: then the manifest's `rustc`
+    is reported as the publisher's, compared with nothing)."""
     if manifest is None:
         return [f"no run manifest ({FILENAME}): building with the box's own recipe (bin {recipe.bin!r})"]
     run_id = human.printable(recipe.run_id) if recipe.run_id else None
@@ -327,16 +572,29 @@ def notes_for(recipe: Recipe, manifest: Manifest | None, now: float) -> list[str
     if recipe.published_epoch is not None:
         parts.append(f"published {age(recipe.published_epoch, now)}")
     if recipe.origin:
-        parts.append(f"from {human.printable(recipe.origin)}")
+        parts.append(f"from {_short(recipe.origin, 200)}")
     out = [", ".join(parts)]
     if recipe.built is False:
         out.append(
-            f"run {run_id or '(no id)'} was NOT built by the controller (built = false in {FILENAME}): "
+            f"run {run_id or '(no id)'} was NOT built by the publisher (built: false in {FILENAME}): "
             "this box's build is the first one"
         )
-    if manifest.unknown:
-        unknown = ", ".join(human.printable(k) for k in manifest.unknown)
-        out.append(f"{FILENAME} has keys this fdl-prepare does not know, ignored: {unknown}")
+    if manifest.rustc is not None:
+        theirs = _short(manifest.rustc, 120)
+        if toolchain is None:
+            out.append(f"the publisher built with {theirs} (advisory; this box builds with its flake's Rust)")
+        elif toolchain not in manifest.rustc:
+            out.append(
+                f"the publisher built with {theirs}, this box's flake builds with rustc {_short(toolchain, 60)} "
+                "(advisory: each box compiles its own binary; a toolchain too old fails at compile time)"
+            )
+    if manifest.unknown_count:
+        unknown = ", ".join(manifest.unknown)
+        more = manifest.unknown_count - len(manifest.unknown)
+        out.append(
+            f"{FILENAME} has {manifest.unknown_count} key{'s' if manifest.unknown_count != 1 else ''} this "
+            f"fdl-prepare does not know, ignored: {unknown}" + (f" and {more} more" if more > 0 else "")
+        )
     return out
 
 

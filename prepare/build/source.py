@@ -8,9 +8,11 @@ cannot move between fetch and build. On a re-dial of the source the box
 built before, the fetch was started beside the flake's resolution, in step
 5 (prepare.build.warm), and is only waited for here.
 
-The run manifest is read from the fetched tree and merged over the box's
-own recipe (the manifest wins: everything in it belongs to the run), and
-the recipe's `cwd` must be a directory of that tree.
+The run manifest (floDl's `.fdl-run.yml`) is read from the fetched tree,
+the tree is checked against the manifest's digest (prepare.build.digest),
+and the manifest is merged over the box's own recipe (the manifest wins:
+everything in it belongs to the run); the recipe's `cwd` must be a
+directory of that tree.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from prepare.build import crate, manifest, transport
+from prepare.build import crate, digest, manifest, transport
 from prepare.fail import Fail
 from prepare.nix import urls
 from prepare.nix.runner import PendingFetch, Prefetched
@@ -92,7 +94,9 @@ def fetch(ws: Workspace, box: SourceSpec, started: PendingFetch | None, notes: l
     fetched = (started or start_fetch(ws, url)).result()
     _note_fetched(fetched, notes)
     found = manifest.read(fetched.store_path)
-    recipe = manifest.merge(box, found, url)
+    if found is not None:
+        notes.extend(digest.verify(fetched.store_path, found))
+    recipe = manifest.merge(box, found, url, mid_publish=found is None and manifest.mid_publish(fetched.store_path))
     manifest.check_tree(recipe, fetched.store_path, url)
     crate.check_lock(fetched.store_path, recipe.cwd, url, from_manifest="cwd" in recipe.from_manifest)
     notes.extend(manifest.notes_for(recipe, found, time.time()))

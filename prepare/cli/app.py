@@ -50,19 +50,18 @@ CHECK_HELP = (
     "--dry-run`). Exits as the attempt would: 0, 75, 78."
 )
 PUBLISH_HELP = (
-    "Build the run's outputs for each variant, sign them, copy them to a binary cache, then write .fdl-run.toml "
-    "(the commit point): boxes that trust the key substitute instead of building. --flake must name the flake "
-    "the boxes build with, at the same revision."
+    "Build the run's outputs for each variant, sign them, copy them to a binary cache, then write floDl's "
+    ".fdl-run.sha256 and .fdl-run.yml (the commit point): boxes that trust the key substitute instead of "
+    "building. --flake must name the flake the boxes build with, at the same revision."
 )
 COMPLETION_HELP = (
     "Print the shell completion script for bash, zsh or fish (e.g. `source <(fdl-prepare completion bash)`)."
 )
 
 # The keys publish shares with prepare: the flake both build with, where the
-# GC roots live, how long a build may run, and the smoke run (which publish
-# writes into the manifest, where it outranks the boxes' own). Same flags,
-# same checks.
-PUBLISH_SHARED = ("flake", "state_dir", "build_timeout", "source.smoke")
+# GC roots live, how long a build may run. Same flags, same checks. Not the
+# smoke run: floDl's manifest has no field for it, so it is each box's own.
+PUBLISH_SHARED = ("flake", "state_dir", "build_timeout")
 # The keys `gpus` judges the cards by: the gate's.
 GPUS_KEYS = ("devices", "expect_gpus", "driver_dir")
 # The commands that read the config, and the root options they take, given
@@ -288,18 +287,12 @@ def parser(table: Table = TABLE) -> Parser:
         help="An argument of the run, repeatable, in order.",
     )
     publish.add_argument(
-        "--no-smoke",
-        dest="publish.no_smoke",
-        action="store_true",
-        help="Write `smoke = []`: the boxes make no smoke run.",
-    )
-    publish.add_argument(
         "--commit",
         dest="publish.commit",
         action="store_true",
-        help="git: commit the manifest alone on the commit built.",
+        help="git: commit the run files alone on the commit built.",
     )
-    publish.add_argument("--push", dest="publish.push", action="store_true", help="git: commit and push the manifest.")
+    publish.add_argument("--push", dest="publish.push", action="store_true", help="git: commit and push the run files.")
     publish.add_argument(
         "--json",
         dest="publish.json",
@@ -489,10 +482,6 @@ def _publish_args(given: argparse.Namespace, publish: Parser) -> None:
     for option, dest in (("--bin", "bin"), ("--to", "to"), ("--signing-key", "signing_key")):
         if values[f"publish.{dest}"] is None:
             publish.error(f"the following arguments are required: {option}")
-    if values.get("publish.source_smoke") and values["publish.no_smoke"]:
-        publish.error(
-            "argument --no-smoke: give --smoke ARG to set the smoke run, or --no-smoke to turn it off, not both"
-        )
 
 
 def _spec(given: argparse.Namespace, table: Table, command: str | None = None, notes: list[str] | None = None) -> Any:
@@ -608,7 +597,6 @@ def _publish(given: argparse.Namespace, table: Table) -> int:
         # The same flags, checks and environment defaults as prepare's.
         shared_table = _shared(table)
         shared = config.resolve({}, flags(shared_table, given, "publish."), os.environ, table=shared_table)
-        smoke = None if shared.source is None else shared.source.smoke
         spec = PublishSpec(
             source=values["source"],
             bin=values["publish.bin"],
@@ -618,7 +606,6 @@ def _publish(given: argparse.Namespace, table: Table) -> int:
             cwd=values["publish.cwd"],
             build=values["publish.build"],
             args=tuple(values["publish.arg"] or ()),
-            smoke=() if values["publish.no_smoke"] else smoke,
             flake=shared.flake,
             state_dir=shared.state_dir,
             build_timeout_s=shared.build_timeout_s,

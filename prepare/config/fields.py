@@ -314,8 +314,8 @@ FIELDS: tuple[Field, ...] = (
         kind=ARGUMENTS,
         metavar="ARG",
         nix="nullOr (listOf str)",
-        help="Argument of one run of the built binary before the box counts as prepared, repeatable (a run "
-        "manifest's smoke outranks them).",
+        help="Argument of one run of the built binary before the box counts as prepared, repeatable (the box's "
+        "own: floDl's run manifest has no smoke).",
     ),
     Field(
         key="ssh.target",

@@ -1,7 +1,7 @@
 """A publish of a git checkout: its committed HEAD is what is published (by
 revision: uncommitted changes are not), HEAD must not move while it is
-built, and `--commit` / `--push` put the manifest alone on top of the
-commit that was built. Every git call goes through the subprocess seam
+built, and `--commit` / `--push` put the two run files (floDl's digest
+sidecar and manifest) alone on top of the commit that was built. Every git call goes through the subprocess seam
 with a deadline; the commands a person must run are printed quoted."""
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import shlex
 
-from prepare.build.manifest import FILENAME
+from prepare.build.manifest import DIGEST_FILE, FILENAME
 from prepare.fail import Fail
 from prepare.host import human, proc
 from prepare.notes import warning
 
 GIT_TIMEOUT_S = 120.0
+# What a publish adds to the commit that was built: floDl's run files.
+RUN_FILES = (DIGEST_FILE, FILENAME)
 
 
 PUSH_TIMEOUT_S = 600.0
@@ -55,7 +57,7 @@ def rev(root: str, notes: list[str]) -> str | None:
         )
     rev = head.stdout.strip()
     dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
-    changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] != FILENAME and line.strip()]
+    changed = [line[3:] for line in dirty.stdout.splitlines() if line[3:] not in RUN_FILES and line.strip()]
     if changed:
         notes.append(
             warning(
@@ -80,10 +82,10 @@ def same_head(root: str, rev: str) -> None:
 def commit_and_push(
     root: str, rev: str | None, run_id: str, *, commit: bool, push: bool
 ) -> tuple[str | None, bool, str | None]:
-    """Commit the manifest (`commit`), and push it (`push`, which commits
-    first), as asked; or say what to run. Returns the commit made, whether
-    it was pushed, and what is left to run."""
-    name = FILENAME
+    """Commit the run files (`commit`), and push them (`push`, which
+    commits first), as asked; or say what to run. Returns the commit made,
+    whether it was pushed, and what is left to run."""
+    names = list(RUN_FILES)
     if rev is None:
         return None, False, None
     message = f"publish run {run_id}"
@@ -91,26 +93,30 @@ def commit_and_push(
     git = ["git", "-C", root]
     by_hand = " && ".join(
         shlex.join(argv)
-        for argv in ([*git, "add", "-f", name], [*git, "commit", "-m", message, "--", name], [*git, "push"])
+        for argv in (
+            [*git, "add", "-f", "--", *names],
+            [*git, "commit", "-m", message, "--", *names],
+            [*git, "push"],
+        )
     )
     if not (commit or push):
         return (
             None,
             False,
             (
-                f"commit {name} alone on top of {rev[:12]} (the commit that was built) and push it; boxes pick the "
-                f"run up on their next attempt: {by_hand}"
+                f"commit {' and '.join(names)} alone on top of {rev[:12]} (the commit that was built) and push "
+                f"them; boxes pick the run up on their next attempt: {by_hand}"
             ),
         )
-    added = _git(root, "add", "-f", "--", name)
-    # Only the manifest: the commit's tree is the built tree plus it.
-    done = _git(root, "commit", "-q", "-m", message, "--", name) if added.ok else added
+    added = _git(root, "add", "-f", "--", *names)
+    # Only the run files: the commit's tree is the built tree plus them.
+    done = _git(root, "commit", "-q", "-m", message, "--", *names) if added.ok else added
     if not done.ok:
         raise Fail(
             "publish.git-failed",
-            "the manifest is written but `git commit` failed: "
+            "the run files are written but `git commit` failed: "
             f"{human.printable((done.stderr or done.stdout).strip()[-500:], lines=True)}. "
-            f"Commit it by hand: {by_hand}",
+            f"Commit them by hand: {by_hand}",
         )
     made = _git(root, "rev-parse", "HEAD").stdout.strip()
     if not push:
@@ -123,7 +129,7 @@ def commit_and_push(
     if not pushed.ok:
         raise Fail(
             "publish.push-failed",
-            f"the manifest is committed ({made[:12]}) but `git push` failed: "
+            f"the run files are committed ({made[:12]}) but `git push` failed: "
             f"{human.printable((pushed.stderr or pushed.stdout).strip()[-500:], lines=True)}. Push it: "
             f"{shlex.join(git + ['push'])}",
         )

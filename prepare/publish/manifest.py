@@ -1,7 +1,13 @@
-"""The run manifest a publish writes, last: its presence in the tree is the
-commit point, so it is removed before anything is built and written
-atomically, under a name nobody can guess, once every variant is in the
-cache."""
+"""The run files a publish writes, floDl's two (flodl-cli's publish.rs):
+the digest sidecar `.fdl-run.sha256` first, the manifest `.fdl-run.yml`
+last. The manifest's presence in the tree is the commit point, so it is
+removed before anything is built and written atomically, under a name
+nobody can guess, once every variant is in the cache.
+
+Only floDl's fields go in the manifest, so a floDl worker (whose older
+readers refuse an unknown field) trains from this publish as from `fdl
+publish`'s. The smoke run's arguments, which floDl has no field for, stay
+each box's own (`[join.source] smoke`)."""
 
 from __future__ import annotations
 
@@ -11,9 +17,8 @@ import posixpath
 import secrets
 import socket
 import time
-from collections.abc import Sequence
 
-from prepare.build.manifest import parse, read
+from prepare.build.manifest import Digest, Manifest, dump, read
 from prepare.fail import Fail
 from prepare.host import human
 from prepare.nix import caches
@@ -21,41 +26,44 @@ from prepare.publish.spec import PublishSpec
 
 
 def new_run_id() -> str:
-    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
+    # floDl's form: a fresh 16-byte nonce, hex. It rides each worker's join
+    # hello, and the join window refuses a cohort mixing ids.
+    return secrets.token_hex(16)
 
 
-def _toml(value: str) -> str:
-    # A JSON string is a TOML basic string (same escapes, \\uXXXX included).
-    import json
-
-    return json.dumps(value, ensure_ascii=False)
-
-
-def text(spec: PublishSpec, run_id: str, rev: str | None, to: str, variants: Sequence[str]) -> str:
+def text(spec: PublishSpec, run_id: str, rev: str | None, to: str, variants: list[str], digest: Digest) -> str:
     host = socket.gethostname()
     origin = f"{host}:{os.path.abspath(spec.source)}" + (f"@{rev}" if rev else "")
-    lines = [
-        f"# Written by `fdl-prepare publish` on {host}: the commit point of run {run_id}.",
-        f"# Variants {', '.join(variants)} are built, signed and in {caches.uri(to)}.",
-        f"bin = {_toml(posixpath.normpath(spec.bin.strip()))}",
-        f"cwd = {_toml(posixpath.normpath(spec.cwd.strip()))}",
-        # An empty build line says "none" and outranks a box's own.
-        f"build = {_toml(spec.build or '')}",
-        f"args = [{', '.join(_toml(a) for a in spec.args)}]",
-        *([] if spec.smoke is None else [f"smoke = [{', '.join(_toml(a) for a in spec.smoke)}]"]),
-        f"run = {_toml(run_id)}",
-        "built = true",
-        f"published_epoch = {int(time.time())}",
-        f"origin = {_toml(origin)}",
-        "",
-    ]
-    text = "\n".join(lines)
-    # What the boxes will read, read back before it is written.
-    parse(text)
-    return text
+    cwd = posixpath.normpath(spec.cwd.strip())
+    header = (
+        f"# Written by `fdl-prepare publish` on {human.printable(host)}: the commit point of run {run_id}.\n"
+        f"# Variants {', '.join(variants)} are built, signed and in {caches.uri(to)}.\n"
+        "# floDl's run manifest: a worker merges it over its own config. Do not hand-edit: the next publish\n"
+        "# overwrites it, and its presence is what tells a worker the run is ready.\n"
+    )
+    return dump(
+        Manifest(
+            # floDl's defaults: no cwd is the root, no build is the default
+            # cargo release build (the flake's, as here).
+            cwd=None if cwd == "." else cwd,
+            build=spec.build if spec.build and spec.build.strip() else None,
+            bin=posixpath.normpath(spec.bin.strip()),
+            args=spec.args,
+            origin=origin,
+            # `rustc -V` of the toolchain that built: the flake's, which the
+            # contract does not report, so this publish says nothing rather
+            # than the version of some other rustc on this host.
+            rustc=None,
+            published_epoch=int(time.time()),
+            run=run_id,
+            built=True,
+            digest=digest,
+        ),
+        header,
+    )
 
 
-def write(path: str, text: str) -> None:
+def write(path: str, text: str, what: str = "the run manifest") -> None:
     # A name nobody can guess, created afresh and never through a link:
     # whoever else may write the tree cannot plant a file or a symlink for
     # this write to go through.
@@ -70,8 +78,8 @@ def write(path: str, text: str) -> None:
     except OSError as err:
         raise Fail(
             "publish.tree-unwritable",
-            f"cannot write the run manifest {path}: {human.oserror(err)}; the outputs are in the cache, so a "
-            "publish once the tree is writable only writes it",
+            f"cannot write {what} {path}: {human.oserror(err)}; the outputs are in the cache, so a publish once "
+            "the tree is writable only writes the run files",
         ) from None
     finally:
         with contextlib.suppress(OSError):
@@ -99,7 +107,7 @@ def remove(path: str, notes: list[str]) -> None:
             f"cannot remove the previous run manifest {path}: {human.oserror(err)}. It must go before anything is "
             "built, so no box runs it meanwhile: make the tree writable for this user",
         ) from None
-    run = previous.run if previous is not None and previous.run else "without a run id"
+    run = human.printable(previous.run) if previous is not None and previous.run else "without a run id"
     notes.append(
         f"removed the previous manifest (run {run}) from {path}: boxes that fetch this tree wait until the "
         "publish writes the new one"

@@ -22,10 +22,6 @@ class PublishSpec:
     cwd: str = "."
     build: str | None = None
     args: tuple[str, ...] = ()
-    # The smoke run's arguments, written as the manifest's `smoke` (which
-    # outranks a box's own); () writes `smoke = []`, which turns the boxes'
-    # off; None writes no `smoke`, and each box keeps its own.
-    smoke: tuple[str, ...] | None = None
     flake: str | None = None
     state_dir: str | None = None
     build_timeout_s: float | None = None

@@ -12,7 +12,7 @@ The order is the point:
 
 1. Checks that cost nothing: the tree, the recipe, the variants named, the
    cache URL, the key file (its name and mode only: the key is never read
-   here, never on a command line, never in a message), the smoke and run
+   here, never on a command line, never in a message), the run's
    arguments.
 2. Checks that take Nix, still before anything is touched: the state
    directory, the flake (resolved once and pinned, as a box pins it) and
@@ -20,7 +20,7 @@ The order is the point:
    checkout as its committed HEAD, by revision: uncommitted changes are not
    published; any other directory as it is) and the recipe's cwd in it.
    Any of them failing leaves the live manifest, and the fleet's run, alone.
-3. `.fdl-run.toml` is removed from the tree. The manifest is the commit
+3. `.fdl-run.yml` is removed from the tree. The manifest is the commit
    point: a box that fetches mid-publish, or after a failed one, finds none
    and waits (transient) instead of training something nobody built or
    validated.
@@ -28,13 +28,16 @@ The order is the point:
    with GC roots per variant under the publish's state directory), sign the
    closure, copy it to the cache. A failure names the variant and the step,
    and leaves no manifest.
-5. The manifest, written atomically, last: `run` (fresh), `built = true`,
-   `published_epoch`, the recipe. It is not an input of the build: the flake
-   filters it out of the source the training derivation sees, so writing it
-   changes no derivation and the boxes substitute what was pushed.
-6. A git source: `--commit` commits the manifest alone on top of the commit
-   that was built, `--push` pushes it too; with neither, the file is written
-   and the summary says what to run.
+5. floDl's two run files, each written atomically: the digest sidecar
+   `.fdl-run.sha256` (every file of the tree as fetched, hashed: what a box,
+   or a floDl worker, checks its fetch against), then the manifest, last:
+   `run` (fresh), `built: true`, `published_epoch`, the recipe, the digest.
+   Neither is an input of the build: the flake filters both out of the
+   source the training derivation sees, so writing them changes no
+   derivation and the boxes substitute what was pushed.
+6. A git source: `--commit` commits the two run files alone on top of the
+   commit that was built, `--push` pushes them too; with neither, the files
+   are written and the summary says what to run.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from prepare.build import choose, outputs, realise, variants, workspace
-from prepare.build.manifest import FILENAME, Recipe
+from prepare.build import choose, digest, outputs, realise, variants, workspace
+from prepare.build.manifest import DIGEST_FILE, FILENAME, Recipe
 from prepare.build.plan import BuildPlan
 from prepare.build.source import Source
 from prepare.config.kinds import ARGUMENTS, STORE_URLS
@@ -128,9 +131,18 @@ def publish(
         # The manifest must sit on the tree that was built: a commit made
         # meanwhile would make it describe one nobody built.
         git.same_head(root, rev)
+    # The tree the boxes fetch, as fetched here: its files, hashed.
+    hashing = time.monotonic()
+    sidecar, tree_digest = digest.compute(source.fetched.store_path, digest.tree_files(source.fetched.store_path))
+    timings["digest"] = round(time.monotonic() - hashing, 4)
     run_id = manifest.new_run_id()
-    text = manifest.text(spec, run_id, rev, to, list(made))
+    text = manifest.text(spec, run_id, rev, to, list(made), tree_digest)
+    manifest.write(os.path.join(root, DIGEST_FILE), sidecar, "the digest sidecar")
     manifest.write(manifest_path, text)
+    notes.append(
+        f"tree: {tree_digest.files} files, {tree_digest.bytes} bytes, sha256 {tree_digest.sha256[:12]}... in "
+        f"{DIGEST_FILE} (boxes check their fetch against it)"
+    )
     notes.append(f"run {run_id}: manifest written to {manifest_path}")
     commit, pushed, next_step = git.commit_and_push(root, rev, run_id, commit=spec.commit, push=spec.push)
     return Published(
@@ -204,10 +216,9 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
             f"key pair (`nix key generate-secret --key-name NAME > FILE`, `chmod 600 FILE`), give the boxes its "
             "public half (nix.trusted_public_keys) in place of the old one, and publish again",
         )
-    for flag, values in (("--smoke", spec.smoke), ("--arg", spec.args)):
-        problem = None if values is None else ARGUMENTS.check(list(values))
-        if problem is not None:
-            raise Fail("publish.invalid", f"{flag}: {problem}")
+    problem = ARGUMENTS.check(list(spec.args))
+    if problem is not None:
+        raise Fail("publish.invalid", f"--arg: {problem}")
     if (spec.commit or spec.push) and not os.path.exists(os.path.join(root, ".git")):
         raise Fail(
             "publish.invalid",
@@ -325,9 +336,3 @@ def _step(label: str, name: str, timings: dict[str, float]) -> Iterator[None]:
         ) from None
     finally:
         timings[f"{label}.{name}"] = round(time.monotonic() - started, 4)
-
-
-# -- the manifest -----------------------------------------------------------------------------------
-
-
-# -- git ------------------------------------------------------------------------------------------------
