@@ -4,6 +4,7 @@ sources in temp git repositories, every fault triggered for real."""
 from __future__ import annotations
 
 import json
+import filecmp
 import os
 import signal
 import subprocess
@@ -252,7 +253,8 @@ def test_a_published_manifest_outranks_the_boxs_own_recipe(nix_env, test_flake, 
     got, notes = run(spec(test_flake, state_dir, src.url, **box))
     assert os.path.basename(got.bin.path) == "published"
     assert subprocess.run([got.bin.path], capture_output=True, text=True).stdout.strip() == "published"
-    assert got.bin.cwd.endswith("-source/app") and got.bin.cwd.startswith("/nix/store/")
+    # The published tree's `app`, in the run's writable copy (prepare.build.rundir).
+    assert got.bin.cwd.startswith(os.path.join(state_dir, "runs") + "/") and got.bin.cwd.endswith("/app")
     assert os.path.isfile(os.path.join(got.bin.cwd, "keep"))
     assert got.args == ("--epochs", "3")
     assert got.run_id == "run-77"
@@ -473,7 +475,22 @@ def test_prepares_of_two_sources_on_one_state_directory_never_prune_each_others_
     held = {os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
     for got in (first, second):
         assert got.bin is not None
-        assert {os.path.dirname(os.path.dirname(got.bin.path)), got.bin.cwd} <= held
+        assert os.path.dirname(os.path.dirname(got.bin.path)) in held
+        assert source_root_of(got.bin.cwd, held) is not None
+    assert source_root_of(first.bin.cwd, held) != source_root_of(second.bin.cwd, held)
+
+
+def source_root_of(run_cwd: str, held: set[str]) -> str | None:
+    """The rooted store copy of the training source the run directory
+    `run_cwd` (a writable copy under <state>/runs, prepare.build.rundir)
+    was made from: the store keeps the build's input."""
+    mine = sorted(os.listdir(run_cwd))
+    found = [
+        t
+        for t in held
+        if t.endswith("-source") and sorted(os.listdir(t)) == mine and not filecmp.dircmp(t, run_cwd).diff_files
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, state_dir, git_source):
@@ -482,7 +499,8 @@ def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, sta
     roots = os.path.join(state_dir, "gcroots")
     targets = {os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
     training = os.path.dirname(os.path.dirname(got.bin.path))
-    assert {got.libtorch.path, training, got.bin.cwd} <= targets
+    assert {got.libtorch.path, training} <= targets
+    assert source_root_of(got.bin.cwd, targets) is not None
     # Nix registered them: the store's own list of roots names our links.
     listed = subprocess.run(
         ["nix-store", "--gc", "--print-roots"],

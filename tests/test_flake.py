@@ -789,7 +789,7 @@ def test_the_app_puts_its_tools_on_path_and_defaults_to_its_own_flake(env, produ
     default_flake = args[args.index("--set-default") + 2]
     assert args[args.index("--set-default") + 1] == "FDL_PREPARE_FLAKE"
     assert default_flake.startswith("path:/nix/store/") and "?narHash=sha256-" in default_flake
-    assert [p.split("-", 1)[1] for p in prefix.split(":")] == ["sshfs/bin", "openssh/bin", "git/bin"]
+    assert [p.split("-", 1)[1] for p in prefix.split(":")] == ["sshfs/bin", "openssh/bin", "git/bin", "rsync/bin"]
     assert [p.split("-", 1)[1] for p in suffix.split(":")] == ["nix/bin", "fuse3/bin", "fuse/bin"]
     assert app["version"] == tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert program.endswith("-fdl-prepare/bin/fdl-prepare")

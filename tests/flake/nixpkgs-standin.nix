@@ -134,6 +134,7 @@ let
     fuse = tool "fuse";
     fuse3 = tool "fuse3";
     openssh = tool "openssh";
+    rsync = tool "rsync";
     git = tool "git";
 
     callPackage =
