@@ -3,8 +3,8 @@ sources in temp git repositories, every fault triggered for real."""
 
 from __future__ import annotations
 
-import json
 import filecmp
+import json
 import os
 import signal
 import subprocess
