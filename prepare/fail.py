@@ -39,6 +39,8 @@ Reason = Literal[
     "gpu.no-access",
     "gpu.not-ready",
     "gpu.nvml-failed",
+    "gpu.query-timeout",
+    "gpu.query-failed",
     "gpu.no-device",
     "gpu.device-absent",
     "gpu.device-unhealthy",
@@ -168,8 +170,16 @@ REASONS: dict[Reason, Row] = {
         PERMANENT,
         "this user or container cannot open the GPU device nodes (`/dev/nvidia*`, `/dev/kfd`, `/dev/dri/renderD*`)",
     ),
-    "gpu.not-ready": Row(TRANSIENT, "NVML says the driver is not ready yet (early in boot)"),
+    "gpu.not-ready": Row(
+        TRANSIENT,
+        "NVML says the driver, or a card the box needs, is not ready yet (early in boot, a reset in progress: NOT_READY or TIMEOUT)",
+    ),
     "gpu.nvml-failed": Row(PERMANENT, "NVML failed in a way not listed here; the message has NVML's own words"),
+    "gpu.query-timeout": Row(
+        TRANSIENT,
+        "a GPU driver did not answer the survey within `gpu_timeout` (an NVML call or an amdgpu sysfs read blocked: a card fallen off the bus, a wedged driver); the message names the call",
+    ),
+    "gpu.query-failed": Row(TRANSIENT, "the child process that asks the GPU drivers died or gave no answer"),
     "gpu.no-device": Row(PERMANENT, "the driver is loaded but reports no GPU"),
     "gpu.device-absent": Row(PERMANENT, "`devices` (`--devices`) names an index the box does not have"),
     "gpu.device-unhealthy": Row(
