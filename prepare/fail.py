@@ -90,6 +90,7 @@ Reason = Literal[
     "source.not-published",
     "source.manifest-invalid",
     "source.cwd-escapes",
+    "source.unsupported-file",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
     "flake.contract-broken",
@@ -272,6 +273,10 @@ REASONS: dict[Reason, Row] = {
         TRANSIENT, "the run manifest `.fdl-run.toml` cannot be read or has a bad value: the next publish fixes it"
     ),
     "source.cwd-escapes": Row(PERMANENT, "the recipe's `cwd` leads out of the fetched source tree through a symlink"),
+    "source.unsupported-file": Row(
+        PERMANENT,
+        "the training source holds a file Nix cannot copy into the store (a FIFO, a socket, a device node)",
+    ),
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch": Row(PERMANENT, "the flake speaks another contract version than this fdl-prepare"),
     "flake.contract-broken": Row(

@@ -226,6 +226,14 @@ _FETCH = (
 )
 
 
+# A tree Nix copies into the store (a path: source, the flake's own) holds a
+# file that is no regular file, directory or symlink: a FIFO, a socket, a
+# device node. 2.8 through 2.34: "file '/src/pipe' has an unsupported type"
+# (2.34 quotes the path in double quotes). Checked before the fetch fallback,
+# which would blame the network for the tree's content.
+_UNSUPPORTED_FILE = rf"file {_Q}{_IN}{_Q} has an unsupported type"
+
+
 @functools.cache
 def _pattern(source: str) -> re.Pattern[str]:
     return re.compile(source, re.IGNORECASE)
@@ -355,6 +363,14 @@ HOST_KEY = Cause(
     "the host's operator gives, then add it to the known_hosts file of the user fdl-prepare runs as (root: "
     "/root/.ssh/known_hosts; `ssh-keygen -R HOST` first drops a changed one)",
 )
+UNSUPPORTED_FILE = Cause(
+    "unsupported-file",
+    "source.unsupported-file",
+    "the tree named above holds a file Nix cannot copy into the store (a FIFO, a socket or a device node: only "
+    "regular files, directories and symlinks go into a store path), and every attempt copies the same tree. "
+    "Remove it from the training source (`find DIR -not -type f -not -type d -not -type l` lists them; a FIFO "
+    "is `-type p`), or keep it out of the published tree, and publish again",
+)
 FETCH_FAILED = Cause("fetch", "nix.fetch", "check the network, the URL and its ref; the next attempt retries")
 UNKNOWN = Cause("unknown", "nix.unknown", "the next attempt retries")
 EVALUATION_FAILED = Cause(
@@ -478,6 +494,7 @@ ROWS: tuple[Row, ...] = (
         frozenset({BUILD}),
     ),
     Row(BAD_URL, lambda said: said.error_records and _in_errors(_BAD_URL)(said)),
+    Row(UNSUPPORTED_FILE, _in_errors(_UNSUPPORTED_FILE)),
     Row(HOST_KEY, _in_errors_or_other(_HOST_KEY)),
     Row(FETCH_FAILED, _in_errors_or_other(_FETCH)),
     # Killed, crashed, or a failure with nothing said: nothing shows it
