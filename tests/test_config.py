@@ -378,6 +378,8 @@ WRONG_TYPES = [
     ("join", "list_timeout", "0", ["greater than 0"]),
     ("join", "list_timeout", "inf", ["finite"]),
     ("join", "list_timeout", "true", ["got a boolean"]),
+    ("join", "gpu_timeout", '"30"', ["expected a number", "gpu_timeout = 30"]),
+    ("join", "gpu_timeout", "0", ["greater than 0"]),
     ("join", "build_timeout", "-5", ["greater than 0"]),
     ("join", "build_timeout", "nan", ["finite"]),
     ("join.source", "from", "1", ["expected a string"]),
