@@ -75,6 +75,7 @@ Reason = Literal[
     "nix.host-key",
     "nix.bad-url",
     "nix.build-failed",
+    "nix.build-killed",
     "nix.flake-build-failed",
     "nix.hash-mismatch",
     "nix.no-space",
@@ -247,6 +248,10 @@ REASONS: dict[Reason, Row] = {
     ),
     "nix.bad-url": Row(PERMANENT, "Nix cannot parse a URL (`source.from`, `flake`, or an input the flake declares)"),
     "nix.build-failed": Row(TRANSIENT, "the training build failed: the next publish may fix it"),
+    "nix.build-killed": Row(
+        TRANSIENT,
+        "a build was killed by a signal from outside it (the OOM killer, an operator, a shutdown), whichever build it was",
+    ),
     "nix.flake-build-failed": Row(PERMANENT, "a build the flake itself provides (libtorch, its toolchain) failed"),
     "nix.hash-mismatch": Row(PERMANENT, "a fixed-output derivation's pinned hash is wrong"),
     "nix.no-space": Row(

@@ -380,6 +380,16 @@ RECORDED = [
     (FETCH, "file '/src/pipe' has an unsupported type", "unsupported-file", True),
     (FETCH, 'file "/src/pipe" has an unsupported type', "unsupported-file", True),
     (EVALUATION, "file '/flake/sock' has an unsupported type", "unsupported-file", True),
+    # A builder killed from outside (the OOM killer, an operator) is no
+    # fault of the build; one that crashes by its own signal is.
+    (BUILD, "builder for '/nix/store/a-x.drv' failed due to signal 9 (Killed)", "build-killed", False),
+    (
+        BUILD,
+        "Cannot build '/nix/store/a-x.drv'.\nReason: builder failed due to signal 15 (Terminated).",
+        "build-killed",
+        False,
+    ),
+    (BUILD, "builder for '/nix/store/a-x.drv' failed due to signal 11 (Segmentation fault)", "builder", False),
 ]
 
 

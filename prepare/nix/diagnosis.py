@@ -202,6 +202,14 @@ _CACHE_REFUSED = (
     r"not privileged|is not allowed|HTTP error 40[13]|access denied|host key verification failed|"
     r"permission denied \(publickey"
 )
+# A builder killed by a signal from outside its own code: SIGKILL (the
+# OOM killer, `kill -9`), SIGTERM, SIGINT, SIGHUP (an operator, a shutdown).
+# "builder for '/nix/store/…drv' failed due to signal 9 (Killed)" (2.8,
+# 2.26); "Reason: builder failed due to signal 9 (Killed)." (2.34). A
+# builder that crashes by its own signal (SIGSEGV, SIGABRT) is the build's
+# own failure, as an exit code is. Nix's own timeout kills too, but says
+# "timed out" (the timeout row, first).
+_KILLED = r"failed due to signal (1|2|9|15)\b"
 # "builder for '/nix/store/…drv' failed with exit code 3" and "1
 # dependencies of derivation '…' failed to build" (2.8, 2.26); "Cannot build
 # '/nix/store/…drv'.", then "Reason: builder failed with exit code 3." or
@@ -333,6 +341,14 @@ TIMEOUT = Cause(
     "nix.timeout",
     "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
     "slow; the next attempt retries",
+)
+BUILD_KILLED = Cause(
+    "build-killed",
+    "nix.build-killed",
+    "the build of {build} was killed by a signal from outside it, not a fault of the flake or of the training "
+    "source: the OOM killer (`journalctl -k | grep -i -e oom -e 'killed process'` says so), or an operator or a "
+    "shutdown. The next attempt retries; if the OOM killer keeps ending it, give the box more memory or swap, or "
+    "let Nix run fewer builds at once (max-jobs and cores in nix.conf)",
 )
 BUILDER = Cause(
     "builder",
@@ -488,6 +504,7 @@ ROWS: tuple[Row, ...] = (
     Row(BUILD_DIR, lambda said: _in_errors(_BUILD_DIR)(said) or _in_build_logs(_BUILD_DIR)(said)),
     Row(DAEMON, _in_errors(_DAEMON)),
     Row(TIMEOUT, _in_errors(_TIMEOUT)),
+    Row(BUILD_KILLED, _nix_said(_KILLED), frozenset({BUILD})),
     Row(
         BUILDER,
         lambda said: _in_errors(_BUILDER)(said) or (said.builds_started and not said.error_records),
@@ -547,6 +564,7 @@ def failure(
     extra: str = "",
     unreachable: Reason = "nix.fetch",
     build_dir: BuildDir = TMP,
+    failed_build: str | None = None,
 ) -> Fail:
     """An operator-facing Fail: what was being done, what Nix said, the fix.
 
@@ -570,6 +588,8 @@ def failure(
     chosen = fix if fix and cause is EVALUATION_FAILED else cause.fix
     if cause is BUILD_DIR_FULL:
         chosen = chosen.format(**build_dir.words())
+    if cause is BUILD_KILLED:
+        chosen = chosen.format(build=failed_build or "a derivation")
     message += f"\nFix: {chosen}"
     reason = unreachable if cause is FETCH_FAILED else cause.reason
     # Nix and git quote URLs as they found them, a flake's own inputs too.
@@ -599,15 +619,23 @@ def explain(
     extra = ""
     if diagnosis.cause is BUILDER and not _builds_from(log.failed_build(), source_path):
         diagnosis = Diagnosis(FLAKE_BUILDER, diagnosis.detail)
-    if diagnosis.cause in (BUILDER, FLAKE_BUILDER, TIMEOUT, BUILD_DIR_FULL):
-        failed = log.failed_build()
+    failed = log.failed_build()
+    if diagnosis.cause in (BUILDER, FLAKE_BUILDER, TIMEOUT, BUILD_DIR_FULL, BUILD_KILLED):
         if failed is not None and failed.log:
             extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
     elif log.other and log.errors:
         # git and ssh write the actual cause (refused, unknown ref,
         # bad host key) as plain lines; Nix only says git failed.
         extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
-    return failure(diagnosis, doing, fix=fix, extra=extra, unreachable=unreachable, build_dir=build_dir)
+    return failure(
+        diagnosis,
+        doing,
+        fix=fix,
+        extra=extra,
+        unreachable=unreachable,
+        build_dir=build_dir,
+        failed_build=None if failed is None else failed.name,
+    )
 
 
 # The store name of the training source as the training derivation gets it:
