@@ -1149,3 +1149,28 @@ def test_the_tunnel_target_may_carry_its_own_user_and_port_and_the_url_still_win
     assert (got.user, got.port) == ("worker", 2200) and "ssh.target" in notes[0]
     own = parse_source("sshfs://me@ctrl.example:22/srv")
     assert sshfs_url.with_tunnel_defaults(own, SshSpec(target="ctrl.example", user="x", port=2), []) == own
+
+
+SSH_TOKEN = "tok3n-s3cr3t-ssh-fdl"
+
+
+@pytest.mark.sshfs
+@pytest.mark.parametrize(
+    "option",
+    [f"ProxyCommand=/bin/false --token {SSH_TOKEN}", f"SetEnv=API_TOKEN={SSH_TOKEN}"],
+    ids=["proxycommand", "setenv"],
+)
+def test_a_secret_in_an_ssh_option_never_reaches_a_message_or_a_note(
+    sshd, sshfs_mounts, remote_tree: Path, option: str
+) -> None:
+    # The ProxyCommand fails (so the mount does, quoting the `sshfs -v` line
+    # to try by hand); SetEnv rides along a mount refused for another reason.
+    point = sshfs_mounts.point()
+    refused = () if option.startswith("ProxyCommand") else ("Port=notnum",)
+    notes: list[str] = []
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), extra=(option, *refused)), notes)
+    said = fail.message + "\n".join(notes)
+    assert SSH_TOKEN not in said, said
+    key = option.split("=", 1)[0]
+    assert f"{key}=***" in said, said
+    assert sshfs_mounts.count_at(point) == 0

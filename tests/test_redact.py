@@ -121,6 +121,29 @@ def test_a_token_in_a_urls_query_is_hidden_wherever_it_is_quoted(text, shown):
     assert redact(text) == shown
 
 
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (
+            f"sshfs -o 'ProxyCommand=ssh -W %h:%p bastion --token {TOKEN}' -o Port=22 -- h:/d /m",
+            "sshfs -o 'ProxyCommand=***' -o Port=22 -- h:/d /m",
+        ),
+        (f"['SetEnv=API_TOKEN={TOKEN}', 'Port=22']", "['SetEnv=***', 'Port=22']"),
+        (f"ssh -oSetEnv=API_TOKEN={TOKEN}", "ssh -oSetEnv=***"),
+        (f"KnownHostsCommand=/usr/bin/keys --auth {TOKEN}", "KnownHostsCommand=***"),
+        (f'-o "RemoteCommand=run {TOKEN}" -o Port=22', '-o "RemoteCommand=***" -o Port=22'),
+        (f"-o 'localcommand=echo {TOKEN}'", "-o 'localcommand=***'"),
+        (f"-o 'ssh_command=ssh -o SetEnv=T={TOKEN}'", "-o 'ssh_command=***'"),
+        (f"SendEnv={TOKEN}", "SendEnv=***"),
+        # ssh's own words about a keyword, and look-alike keys, stay.
+        ("keyword setenv extra arguments at end of line", "keyword setenv extra arguments at end of line"),
+        ("MySetEnv=1 notProxyCommand=2 Port=22", "MySetEnv=1 notProxyCommand=2 Port=22"),
+    ],
+)
+def test_a_secret_carrying_ssh_options_value_is_hidden_wherever_it_is_quoted(text, shown):
+    assert redact(text) == shown
+
+
 KEY = (
     "-----BEGIN OPENSSH PRIVATE KEY-----\n"
     "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
