@@ -8,11 +8,14 @@ a deadline.
 
 On the fake libnvidia-ml.so.1 (tests/fake_nvml, compiled with gcc), a box
 of H100 cards on NVSwitch (every health query answers). The two take turns
-N times in this one process, so a noisy machine slows them alike; the
-medians, their difference and their ratio are printed. The in-process
-variant is measured warm (pynvml imported once, as in a long-lived join
-loop), which is the child's worst case: a fresh CLI process would pay the
-import of pynvml in-process too.
+N times, so a noisy machine slows them alike; the medians, their
+difference and their ratio are printed, twice:
+
+- in this one process, as a long-lived join loop surveys: the in-process
+  variant warm (pynvml imported once), the child's worst case;
+- each in a fresh interpreter, as every `fdl-prepare` attempt and
+  `fdl-prepare gpus` surveys: the in-process variant then pays pynvml's
+  import too, as the survey before the deadline did.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -38,7 +42,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", type=int, default=30, help="rounds (default 30)")
     parser.add_argument("--cards", type=int, default=8, help="fake H100 cards (default 8)")
+    parser.add_argument("--once", choices=("in-process", "child"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.once:
+        # One survey in this fresh interpreter, the fake already in the environment.
+        ctypes.CDLL(
+            os.path.join(os.environ["LD_LIBRARY_PATH"].split(":")[0], "libnvidia-ml.so.1"), mode=ctypes.RTLD_GLOBAL
+        )
+        _variants(args.cards)[args.once]()
+        return
 
     from nvml_fixtures import SONAME, SOURCE, FakeNvml, hgx_h100
 
@@ -62,14 +74,13 @@ def main() -> None:
         shutil.rmtree(lib_dir, ignore_errors=True)
 
 
-def _compare(rounds: int, cards: int) -> None:
+def _variants(cards: int) -> dict[str, Callable[[], None]]:
     from prepare.gpu import _query, amd, gate, nvml, query
 
-    spec = importlib.util.find_spec("pynvml")
-    assert spec is not None and spec.origin
-    request = {"pynvml_dir": os.path.dirname(spec.origin), "preload": None, "preload_trusted": True, "mig": False}
-
     def in_process() -> None:
+        spec = importlib.util.find_spec("pynvml")
+        assert spec is not None and spec.origin
+        request = {"pynvml_dir": os.path.dirname(spec.origin), "preload": None, "preload_trusted": True, "mig": False}
         answers = _query._nvml(request, lambda call: None)
         files = query.Recorded(_query._amd(amd.paths(), lambda call: None)["ops"])
         amd.survey({}, files=files)
@@ -80,20 +91,34 @@ def _compare(rounds: int, cards: int) -> None:
         gpus = gate.survey({}, timeout=30)
         assert len(gpus.offered) == cards
 
-    in_process()
-    child()
-    times: dict[str, list[float]] = {"in-process": [], "child": []}
-    for _ in range(rounds):
-        for name, run in (("in-process", in_process), ("child", child)):
-            started = time.perf_counter()
+    return {"in-process": in_process, "child": child}
+
+
+def _compare(rounds: int, cards: int) -> None:
+    variants = _variants(cards)
+
+    def fresh(name: str) -> Callable[[], None]:
+        argv = [sys.executable, __file__, "--once", name, "--cards", str(cards)]
+        return lambda: subprocess.run(argv, check=True)
+
+    for title, runs in (
+        ("in this process (a join loop)", variants),
+        ("each in a fresh interpreter (an attempt, `fdl-prepare gpus`)", {n: fresh(n) for n in variants}),
+    ):
+        for run in runs.values():
             run()
-            times[name].append(time.perf_counter() - started)
-    inside = statistics.median(times["in-process"])
-    outside = statistics.median(times["child"])
-    print(f"GPU survey of {cards} fake H100 cards, median of {rounds} rounds, side by side:")
-    print(f"  in-process (pynvml warm) {inside * 1000:8.1f} ms")
-    print(f"  one child under deadline {outside * 1000:8.1f} ms")
-    print(f"  the child costs {(outside - inside) * 1000:.1f} ms more, ratio {outside / inside:.1f}x")
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, run in runs.items():
+                started = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - started)
+        inside = statistics.median(times["in-process"])
+        outside = statistics.median(times["child"])
+        print(f"GPU survey of {cards} fake H100 cards, {title}, median of {rounds} rounds:")
+        print(f"  the calls in process     {inside * 1000:8.1f} ms")
+        print(f"  one child under deadline {outside * 1000:8.1f} ms")
+        print(f"  the child costs {(outside - inside) * 1000:.1f} ms more, ratio {outside / inside:.2f}x")
 
 
 if __name__ == "__main__":
