@@ -60,24 +60,34 @@ _QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[A-Za-z0-9_.~+%-]+)=(?P<valu
 SSH_SECRET_OPTIONS = (
     "setenv", "sendenv", "proxycommand", "localcommand", "remotecommand", "knownhostscommand", "ssh_command",
 )  # fmt: skip
-# Key=Value for one of them: after a quote (the quote then ends the value),
+# Key= for one of them: after a quote (the quote then ends the value),
 # after -o (`-oSetEnv=...`), or at a word's start.
 _SSH_OPTION = re.compile(
-    r"(?P<q>['\"]?)(?P<o>-o)?(?P<key>(?:(?<=-o)|(?<![\w-]))(?:"
-    + "|".join(SSH_SECRET_OPTIONS)
-    + r"))\s*=(?P<rest>[^\n]*)",
+    r"(?P<q>['\"]?)(?P<o>-o)?(?P<key>(?:(?<=-o)|(?<![\w-]))(?:" + "|".join(SSH_SECRET_OPTIONS) + r"))\s*=",
     re.IGNORECASE,
 )
 
 
-def _hide_ssh_option(match: re.Match[str]) -> str:
-    q, rest = match["q"], match["rest"]
-    head = f"{q}{match['o'] or ''}{match['key']}={HIDDEN}"
-    if q and q in rest:
-        return head + rest[rest.index(q) :]
-    if rest[:1] in ("'", '"') and rest[0] in rest[1:]:
-        return head + rest[rest.index(rest[0], 1) + 1 :]
-    return head
+def _hide_ssh_options(text: str) -> str:
+    """Each secret-carrying option's value as ***: a quoted one (the quote
+    before the key, or one opening the value) up to its closing quote,
+    an unquoted one to the end of its line."""
+    out: list[str] = []
+    at = 0
+    while (match := _SSH_OPTION.search(text, at)) is not None:
+        q = match["q"]
+        start = match.end()
+        line_end = text.find("\n", start)
+        line_end = len(text) if line_end < 0 else line_end
+        if q and q in text[start:line_end]:
+            end = text.index(q, start)
+        elif text[start : start + 1] in ("'", '"') and text[start] in text[start + 1 : line_end]:
+            end = text.index(text[start], start + 1) + 1
+        else:
+            end = line_end
+        out.append(text[at : match.start()] + f"{q}{match['o'] or ''}{match['key']}={HIDDEN}")
+        at = end
+    return "".join(out) + text[at:]
 
 
 def secret_param(name: str, value: str) -> bool:
@@ -118,7 +128,7 @@ def redact(text: str) -> str:
         text = _USERINFO.sub(_hide, text)
     if "=" in text:
         text = _QUERY_PARAM.sub(_hide_param, text)
-        text = _SSH_OPTION.sub(_hide_ssh_option, text)
+        text = _hide_ssh_options(text)
     return text
 
 
