@@ -24,7 +24,7 @@ import stat
 import time
 from collections.abc import Mapping
 
-from prepare.data import listing, url
+from prepare.data import listing, ssh_config, url
 from prepare.data.url import Source, sshfs_argv
 from prepare.fail import Fail
 from prepare.host import human, mounts, proc
@@ -403,7 +403,9 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
         raise _no_sshfs(source)
     _check_identity(ssh)
     _ensure_mountpoint(mountpoint)
-    argv = sshfs_argv(source, mountpoint, ssh)
+    # As ssh reads them (not sshfs's -o escaping), the ones that can carry a secret.
+    secrets = [option for option in url.ssh_options(ssh)[0] if url.secret(option)]
+    argv = sshfs_argv(source, mountpoint, ssh, ssh_config.write(secrets, notes))
     where = f"mounting data_source `{source.url}` at {mountpoint}"
     start = time.monotonic()
     try:
