@@ -19,6 +19,7 @@ as before, and a note says so.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
@@ -42,16 +43,10 @@ def write(options: Sequence[str], notes: list[str]) -> str | None:
                 f"ssh.options holds {redact(repr(option))}, with a line break: an ssh option is one line. "
                 "Fix ssh.options (--ssh-option).",
             )
+    keys = ", ".join(sorted({o.split("=", 1)[0] for o in options}))
     directory = _directory()
     if directory is None:
-        notes.append(
-            warning(
-                "ssh.options carries "
-                + ", ".join(sorted({o.split("=", 1)[0] for o in options}))
-                + ", whose values can hold a secret, and there is no directory of this user's alone to keep them "
-                "in (XDG_RUNTIME_DIR is unset): they are on sshfs's command line, where other users read them in ps"
-            )
-        )
+        notes.append(_on_the_command_line(keys, "there is no directory of this user's alone to keep them in"))
         return None
     text = (
         "# fdl-prepare: the ssh.options whose values can carry a secret, kept off the command line.\n"
@@ -66,14 +61,28 @@ def write(options: Sequence[str], notes: list[str]) -> str | None:
     if st is not None and stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
         return path
     temp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        notes.append(_on_the_command_line(keys, f"{path} cannot be written ({err.strerror or err})"))
+        return None
     return path
+
+
+def _on_the_command_line(keys: str, why: str) -> str:
+    return warning(
+        f"ssh.options carries {keys}, whose values can hold a secret, and {why} (/run/fdl-prepare-ssh for root, "
+        "$XDG_RUNTIME_DIR/fdl-prepare-ssh for another user): they are on sshfs's command line, where other users "
+        "read them in ps"
+    )
 
 
 def _directory() -> str | None:
