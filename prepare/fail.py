@@ -39,6 +39,8 @@ Reason = Literal[
     "gpu.no-access",
     "gpu.not-ready",
     "gpu.nvml-failed",
+    "gpu.query-timeout",
+    "gpu.query-failed",
     "gpu.no-device",
     "gpu.device-absent",
     "gpu.device-unhealthy",
@@ -74,6 +76,7 @@ Reason = Literal[
     "nix.host-key",
     "nix.bad-url",
     "nix.build-failed",
+    "nix.build-killed",
     "nix.flake-build-failed",
     "nix.hash-mismatch",
     "nix.no-space",
@@ -95,6 +98,7 @@ Reason = Literal[
     "source.host-key",
     "source.rsync-missing",
     "source.no-cargo-lock",
+    "source.unsupported-file",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
     "flake.contract-broken",
@@ -175,8 +179,16 @@ REASONS: dict[Reason, Row] = {
         PERMANENT,
         "this user or container cannot open the GPU device nodes (`/dev/nvidia*`, `/dev/kfd`, `/dev/dri/renderD*`)",
     ),
-    "gpu.not-ready": Row(TRANSIENT, "NVML says the driver is not ready yet (early in boot)"),
+    "gpu.not-ready": Row(
+        TRANSIENT,
+        "NVML says the driver, or a card the box needs, is not ready yet (early in boot, a reset in progress: NOT_READY or TIMEOUT)",
+    ),
     "gpu.nvml-failed": Row(PERMANENT, "NVML failed in a way not listed here; the message has NVML's own words"),
+    "gpu.query-timeout": Row(
+        TRANSIENT,
+        "a GPU driver did not answer the survey within `gpu_timeout` (an NVML call or an amdgpu sysfs read blocked: a card fallen off the bus, a wedged driver); the message names the call",
+    ),
+    "gpu.query-failed": Row(TRANSIENT, "the child process that asks the GPU drivers died or gave no answer"),
     "gpu.no-device": Row(PERMANENT, "the driver is loaded but reports no GPU"),
     "gpu.device-absent": Row(PERMANENT, "`devices` (`--devices`) names an index the box does not have"),
     "gpu.device-unhealthy": Row(
@@ -250,6 +262,10 @@ REASONS: dict[Reason, Row] = {
     ),
     "nix.bad-url": Row(PERMANENT, "Nix cannot parse a URL (`source.from`, `flake`, or an input the flake declares)"),
     "nix.build-failed": Row(TRANSIENT, "the training build failed: the next publish may fix it"),
+    "nix.build-killed": Row(
+        TRANSIENT,
+        "a build was killed by a signal from outside it (the OOM killer, an operator, a shutdown), whichever build it was",
+    ),
     "nix.flake-build-failed": Row(PERMANENT, "a build the flake itself provides (libtorch, its toolchain) failed"),
     "nix.hash-mismatch": Row(PERMANENT, "a fixed-output derivation's pinned hash is wrong"),
     "nix.no-space": Row(
@@ -299,6 +315,10 @@ REASONS: dict[Reason, Row] = {
     "source.rsync-missing": Row(PERMANENT, "a `file://` or `rsync://` source needs rsync, which is not installed"),
     "source.no-cargo-lock": Row(
         TRANSIENT, "the training source is a cargo project without Cargo.lock: the publisher commits it and publishes"
+    ),
+    "source.unsupported-file": Row(
+        PERMANENT,
+        "the training source holds a file Nix cannot copy into the store (a FIFO, a socket, a device node)",
     ),
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch": Row(PERMANENT, "the flake speaks another contract version than this fdl-prepare"),

@@ -75,7 +75,11 @@ def gate_plan(spec: PrepareSpec) -> GatePlan:
     """The GPU gate's part of a checked spec: also what `fdl-prepare gpus`,
     which needs no other part, judges the box by."""
     return GatePlan(
-        cpu_only=spec.cpu_only, devices=spec.devices, expect_gpus=spec.expect_gpus, driver_dir=spec.driver_dir
+        cpu_only=spec.cpu_only,
+        devices=spec.devices,
+        expect_gpus=spec.expect_gpus,
+        driver_dir=spec.driver_dir,
+        query_timeout_s=spec.gpu_timeout_s,
     )
 
 

@@ -126,6 +126,9 @@ class PrepareSpec:
     # A dead network mount must not hang prepare: listing the source root
     # gives up after this many seconds (transient).
     list_timeout_s: float = 10.0
+    # A card that fell off the bus can leave a driver call blocked for good:
+    # the GPU survey gives up after this many seconds (transient).
+    gpu_timeout_s: float = 30.0
     # A build stuck past this many seconds is abandoned (transient). None: no limit.
     build_timeout_s: float | None = None
     # The smoke run is stopped after this many seconds (transient).

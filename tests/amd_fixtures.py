@@ -57,7 +57,7 @@ links, as a display-only GPU has).
         (no groups, the readable package copy of tests/other_user.py).
     .gate(env=None, uid=None, **spec) -> dict: gate.check(gate.GatePlan(**spec))
         there: {"gpus": Gpus.to_json(), "notes": [...]} or
-        {"kind": ..., "message": ..., "notes": [...]}.
+        {"kind": ..., "reason": ..., "message": ..., "notes": [...]}.
 """
 
 from __future__ import annotations
@@ -269,7 +269,7 @@ class AmdBox:
             f"    gpus = gate.check(gate.GatePlan(**{spec!r}), notes)\n"
             "    print(json.dumps({'gpus': gpus.to_json(), 'notes': notes}))\n"
             "except Fail as f:\n"
-            "    print(json.dumps({'kind': f.kind, 'message': f.message, 'notes': notes}))\n"
+            "    print(json.dumps({'kind': f.kind, 'reason': f.reason, 'message': f.message, 'notes': notes}))\n"
         )
         done = self.run(code, env, uid)
         assert done.returncode == 0, done.stderr

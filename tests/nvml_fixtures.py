@@ -29,6 +29,14 @@ NVML_ERROR_LIBRARY_NOT_FOUND whenever FAKE_NVML_CONFIG is unset, so tests
 that ask for no box still see "no driver installed", as on this machine.
 Skips if pynvml already loaded a real libnvidia-ml in this process.
 
+`FAKE_NVML_HANG=FUNCTION` in a box's environment makes that exported
+function (nvmlInitWithFlags, nvmlDeviceGetHandleByIndex_v2, ...) block for
+good, as a call into a driver whose card fell off the bus can; the box's log
+then says `hang FUNCTION PID`. `hung_pids(box)` reads those pids back and
+`query_processes(mark)` lists the GPU query children (prepare.gpu.query)
+still alive with `mark` in their environment, so a test proves the hung
+one was killed.
+
 `no_driver_env(base=None)`: environment for a subprocess with no NVML at all
 (empty LD_LIBRARY_PATH, no FAKE_NVML_CONFIG); `host_has_nvml()` says whether
 the host's own driver would still be found, in which case such tests skip.
@@ -206,6 +214,43 @@ class FakeNvml:
         return FakeBox(self.lib_dir, config, log)
 
 
+def hung_pids(box: FakeBox) -> list[int]:
+    """The processes that entered a call FAKE_NVML_HANG blocked."""
+    return [int(line.split()[-1]) for line in box.calls() if line.startswith("hang ")]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def query_processes(mark: str) -> list[int]:
+    """Live processes running this checkout's GPU query child with `mark`
+    in their environment (a box's config path: other runs of the suite
+    may be surveying at the same time)."""
+    from prepare.gpu.query import SCRIPT
+
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                environ = fh.read()
+        except OSError:
+            continue
+        if SCRIPT.encode() in argv and mark.encode() in environ and alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
 def no_driver_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["LD_LIBRARY_PATH"] = ""
@@ -273,6 +318,10 @@ def nvml_box(fake_nvml: FakeNvml, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     def make(gpus: Sequence[FakeGpu] = (), **kw: object) -> FakeBox:
         box = fake_nvml.box(gpus, directory=tmp_path / "nvml", **kw)  # type: ignore[arg-type]
         monkeypatch.setenv("FAKE_NVML_CONFIG", str(box.config))
+        # The survey's NVML calls are made in a child (prepare.gpu.query),
+        # which finds the library as any process does.
+        old = os.environ.get("LD_LIBRARY_PATH")
+        monkeypatch.setenv("LD_LIBRARY_PATH", f"{fake_nvml.lib_dir}:{old}" if old else str(fake_nvml.lib_dir))
         return box
 
     return make

@@ -8,10 +8,12 @@ The mask parsers are also exercised as pure functions."""
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 from amd_fixtures import apu, clean_env, mi300x, mi300x_uuid, rx7900xtx, rx7900xtx_gpu
-from nvml_fixtures import ampere_pair, host_has_nvml
+from nvml_fixtures import ampere_pair, host_has_nvml, query_processes
 
 from prepare.gpu import amd
 from prepare.gpu.amd import AmdDevice, gfx_name, parse_hip_visible_devices, parse_override, parse_rocr_visible_devices
@@ -129,6 +131,39 @@ def test_a_box_without_a_kfd_topology_has_no_amd_survey_at_all():
     if os.path.exists(amd.TOPOLOGY):
         pytest.skip("this host has an amdgpu KFD topology")
     assert amd.survey({}) is None
+
+
+@pytest.mark.parametrize(
+    ("blocking", "named"),
+    [
+        ("sys/kfd/kfd/topology/nodes/3/properties", "reading /sys/class/kfd/kfd/topology/nodes/3/properties"),
+        (
+            "sys/drm/renderD129/device/mem_info_vram_total",
+            "reading /sys/class/drm/renderD129/device/mem_info_vram_total",
+        ),
+    ],
+    ids=["topology", "drm"],
+)
+def test_a_kfd_read_that_never_answers_is_transient_within_the_deadline_and_leaves_no_process(
+    amd_box, no_nvml, blocking, named
+):
+    # A FIFO nobody writes blocks whoever opens it to read, as a sysfs read
+    # of a card in a bad state can.
+    box = amd_box(mi300x())
+    path = box.root / blocking
+    path.unlink()
+    os.mkfifo(path, 0o444)
+    env = clean_env()
+    env["FDL_TEST_BOX"] = str(box.root)
+    started = time.monotonic()
+    out = box.gate(env, query_timeout_s=1.5)
+    took = time.monotonic() - started
+    assert out.get("reason") == "gpu.query-timeout", out
+    assert out["kind"] == "transient"
+    assert f"({named} never returned)" in out["message"]
+    # The namespace's setup costs a second or two of its own.
+    assert took < 1.5 + 8, took
+    assert query_processes(f"FDL_TEST_BOX={box.root}") == []
 
 
 # -- the gate over both vendors -----------------------------------------------------

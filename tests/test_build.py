@@ -968,3 +968,50 @@ def test_a_builder_printing_megabytes_of_log_is_transient_and_the_preparers_memo
     print(f"resident set grew {got['grew_kib'] / 1024:.1f} MiB; message {len(got['message'])} characters")
     assert got["grew_kib"] < 64 * 1024
     assert "the real reason" in got["message"] and len(got["message"]) < 16384
+
+
+KILLED_WITH_A_SIBLING = r"""toolchain:
+let
+  system = (toolchain.mkLibtorch { label = "probe"; }).system;
+  step = name: script: derivation {
+    inherit name system;
+    builder = "/bin/sh";
+    args = [ "-c" script ];
+  };
+  # Killed as the OOM killer kills: SIGKILL, from outside the build's own code.
+  first = step "oom-killed-first" "echo first started; /bin/sleep 2; kill -9 $$";
+  # Still running when the first dies: Nix stops it, and its activity ends first.
+  sibling = step "sibling-nix-stopped" "echo sibling started; /bin/sleep 60; echo > $out";
+in
+{
+  killed = {
+    cuda = null;
+    archs = [ ];
+    package = derivation {
+      name = "fdl-test-libtorch-killed";
+      inherit system;
+      builder = "/bin/sh";
+      args = [ "-c" "echo ${first} ${sibling} > $out; echo > $dev" ];
+      outputs = [ "out" "dev" ];
+    };
+  };
+}
+"""
+
+
+def test_a_flake_build_killed_by_a_signal_is_transient_and_names_the_build_that_died_first(
+    nix_env, make_flake, state_dir, monkeypatch
+):
+    # Two builds side by side, so there is a sibling for Nix to stop.
+    monkeypatch.setenv("NIX_CONFIG", nix_env["NIX_CONFIG"] + "max-jobs = 2\n")
+    flake = make_flake(extra_nix=KILLED_WITH_A_SIBLING)
+    start = time.monotonic()
+    fail = expect_fail(spec(flake, state_dir, libtorch="killed", cpu_only=False))
+    assert time.monotonic() - start < 50
+    assert (fail.reason, fail.permanent) == ("nix.build-killed", False), fail.message
+    assert "signal 9" in fail.message
+    said, fix = fail.message.split("Fix:")
+    assert "oom-killed-first" in fix and "sibling-nix-stopped" not in fix
+    assert "last lines of the oom-killed-first build log:\n  first started" in said
+    assert "oom" in fix.lower() and "retries" in fix
+    assert not procs_left("/bin/sleep 60")

@@ -47,14 +47,28 @@ def test_version_prints_the_package_version_and_rev_unknown_from_a_pip_install()
     assert done.stdout.strip() == f"fdl-prepare {__version__} (rev unknown)"
 
 
-@pytest.mark.parametrize(
-    "argv", [["gpus", "--version"], ["publish", "--version"], ["completion", "--version"], ["--json", "--version"]]
-)
+@pytest.mark.parametrize("argv", [["gpus", "--version"], ["publish", "--version"], ["completion", "--version"]])
 def test_every_command_takes_version_after_its_word(argv: list[str]) -> None:
     from prepare import __version__
 
     done = fdl(dict(os.environ), *argv)
     assert (done.returncode, done.stdout.strip()) == (0, f"fdl-prepare {__version__} (rev unknown)"), done.stderr
+
+
+@pytest.mark.parametrize("argv", [["--json", "--version"], ["--version", "--json"], ["gpus", "--version", "--json"]])
+def test_version_under_json_is_one_json_object_with_kind_and_schema(argv: list[str]) -> None:
+    from prepare import __version__
+
+    done = fdl(dict(os.environ), *argv)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out == {
+        "kind": "version",
+        "schema": 1,
+        "name": "fdl-prepare",
+        "version": __version__,
+        "revision": "unknown",
+    }
 
 
 def test_fdl_prepare_publish_takes_version() -> None:
@@ -280,8 +294,8 @@ def test_a_usage_error_under_json_is_a_json_object_of_kind_usage_with_exit_2(
     done = fdl(box, *argv)
     assert done.returncode == 2, done.stderr
     out = json.loads(done.stdout)
-    assert set(out) == {"kind", "schema", "message", "usage"}
-    assert (out["kind"], out["schema"], out["usage"]) == ("usage", 1, usage_line)
+    assert set(out) == {"kind", "schema", "reason", "message", "usage"}
+    assert (out["kind"], out["schema"], out["reason"], out["usage"]) == ("usage", 1, "cli.usage", usage_line)
     assert out["message"] and out["message"] in done.stderr
 
 
@@ -413,7 +427,7 @@ def test_an_interrupt_prints_its_line_and_with_json_a_fail_of_kind_interrupted(
     if as_json:
         got = json.loads(out)
         assert got["kind"] == "interrupted" and "interrupted" in got["message"] and isinstance(got["notes"], list)
-        assert got["schema"] == 1
+        assert got["schema"] == 1 and got["reason"] == "cli.interrupted"
     else:
         assert out == ""
 

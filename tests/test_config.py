@@ -379,6 +379,8 @@ WRONG_TYPES = [
     ("join", "list_timeout", "true", ["got a boolean"]),
     ("join", "user", "1000", ["expected a string", 'user = "1000"']),
     ("join", "user", '"-oops"', ["starts with '-'"]),
+    ("join", "gpu_timeout", '"30"', ["expected a number", "gpu_timeout = 30"]),
+    ("join", "gpu_timeout", "0", ["greater than 0"]),
     ("join", "build_timeout", "-5", ["greater than 0"]),
     ("join", "build_timeout", "nan", ["finite"]),
     ("join.source", "from", "1", ["expected a string"]),

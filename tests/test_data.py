@@ -1191,3 +1191,74 @@ def test_the_tunnel_target_may_carry_its_own_user_and_port_and_the_url_still_win
     assert (got.user, got.port) == ("worker", 2200) and "ssh.target" in notes[0]
     own = parse_source("sshfs://me@ctrl.example:22/srv")
     assert sshfs_url.with_tunnel_defaults(own, SshSpec(target="ctrl.example", user="x", port=2), []) == own
+
+
+SSH_TOKEN = "tok3n-s3cr3t-ssh-fdl"
+
+
+@pytest.mark.sshfs
+@pytest.mark.parametrize(
+    "option",
+    [f"ProxyCommand=/bin/false --token {SSH_TOKEN}", f"SetEnv=API_TOKEN={SSH_TOKEN}"],
+    ids=["proxycommand", "setenv"],
+)
+def test_a_secret_in_an_ssh_option_never_reaches_a_message_or_a_note(
+    sshd, sshfs_mounts, remote_tree: Path, option: str
+) -> None:
+    # The ProxyCommand fails (so the mount does, quoting the `sshfs -v` line
+    # to try by hand); SetEnv rides along a mount refused for another reason.
+    point = sshfs_mounts.point()
+    refused = () if option.startswith("ProxyCommand") else ("Port=notnum",)
+    notes: list[str] = []
+    fail = _fail(sshd.spec(data_source=sshd.source(remote_tree), data_path=str(point), extra=(option, *refused)), notes)
+    said = fail.message + "\n".join(notes)
+    assert SSH_TOKEN not in said, said
+    assert sshfs_mounts.count_at(point) == 0
+
+
+def _command_lines_holding(secret: str) -> list[str]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if secret.encode() in argv:
+                found.append(argv.replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+@pytest.mark.sshfs
+def test_a_secret_in_an_ssh_option_is_on_no_command_line_while_the_mount_lives(
+    sshd, sshfs_mounts, remote_tree: Path
+) -> None:
+    point = sshfs_mounts.point()
+    notes: list[str] = []
+    spec = sshd.spec(
+        data_source=sshd.source(remote_tree), data_path=str(point), extra=(f"SetEnv=API_TOKEN={SSH_TOKEN}",)
+    )
+    assert ensure(spec, notes) == str(point)
+    assert (point / "README").read_text() == "dataset root for fdl-prepare tests\n"
+    # sshfs and the ssh it runs hold only the file's path; the file is this user's alone.
+    assert _command_lines_holding(SSH_TOKEN) == []
+    sshfs_line = [line for line in _command_lines_holding(str(point)) if line.split(" ", 1)[0].endswith("sshfs")]
+    assert sshfs_line and " -F " in sshfs_line[0], sshfs_line
+    config = sshfs_line[0].split(" -F ", 1)[1].split(" ", 1)[0]
+    st = os.stat(config)
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(config)).st_mode) == 0o700
+    assert f"SetEnv=API_TOKEN={SSH_TOKEN}" in Path(config).read_text()
+
+
+@pytest.mark.sshfs
+def test_a_proxycommand_kept_off_the_command_line_is_still_the_one_ssh_uses(
+    sshd, sshfs_mounts, remote_tree: Path
+) -> None:
+    point = sshfs_mounts.point()
+    spec = sshd.spec(
+        data_source=sshd.source(remote_tree), data_path=str(point), extra=(f"ProxyCommand=/bin/false {SSH_TOKEN}",)
+    )
+    fail = _fail(spec)
+    assert fail.reason == "data.unreachable" and SSH_TOKEN not in fail.message, fail.message
+    assert sshfs_mounts.count_at(point) == 0

@@ -126,6 +126,7 @@ GOOD = {
     "flake": st.just("github:example/fleet"),
     "state_dir": st.just("/var/lib/fdl-prepare"),
     "list_timeout": st.floats(min_value=0.1, max_value=3600),
+    "gpu_timeout": st.floats(min_value=0.1, max_value=3600),
     "build_timeout": st.integers(min_value=1, max_value=86400),
 }
 
@@ -337,6 +338,7 @@ SPECS = st.builds(
     flake=ANY,
     state_dir=ANY,
     list_timeout_s=st.one_of(st.floats(0.1, 3600), ANY),
+    gpu_timeout_s=st.one_of(st.floats(0.1, 3600), ANY),
     build_timeout_s=ANY,
     refresh=st.one_of(st.booleans(), ANY),
 )

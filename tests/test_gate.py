@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,18 @@ from nvml_fixtures import (
     NO_PERMISSION,
     NOT_READY,
     NOT_SUPPORTED,
+    TIMEOUT,
     UNKNOWN,
     FakeGpu,
+    alive,
     ampere_pair,
     default_uuid,
     hopper_mig,
     host_has_nvml,
+    hung_pids,
     no_driver_env,
     pascal_card,
+    query_processes,
 )
 
 from prepare.fail import Fail
@@ -507,3 +512,82 @@ def test_devices_given_with_cpu_only_are_noted_as_ignored():
     notes: list[str] = []
     assert gate.check(gate.GatePlan(cpu_only=True, devices=(0, 1)), notes) is None
     assert any("devices (0,1) is ignored with cpu_only" in n for n in notes), notes
+
+
+def _gone(pid: int, within: float = 3.0) -> bool:
+    until = time.monotonic() + within
+    while alive(pid) and time.monotonic() < until:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        ("nvmlInitWithFlags", "nvmlInit never returned"),
+        ("nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetHandleByIndex for GPU 0 never returned"),
+        ("nvmlDeviceGetComputeMode", "nvmlDeviceGetComputeMode on GPU 0 never returned"),
+    ],
+)
+def test_a_hung_nvml_call_is_transient_within_the_deadline_and_the_hung_process_is_killed(
+    nvml_box, monkeypatch, call, named
+):
+    box = nvml_box(ampere_pair())
+    monkeypatch.setenv("FAKE_NVML_HANG", call)
+    started = time.monotonic()
+    with pytest.raises(Fail) as failed:
+        gate.check(gate.GatePlan(query_timeout_s=1.5), [])
+    took = time.monotonic() - started
+    assert failed.value.reason == "gpu.query-timeout"
+    assert not failed.value.permanent
+    assert named in failed.value.message and "within 1.5s" in failed.value.message
+    assert took < 1.5 + 2.5, took
+    # The call was really reached, in a process that is gone now.
+    pids = hung_pids(box)
+    assert len(pids) == 1
+    assert _gone(pids[0])
+    assert query_processes(str(box.config)) == []
+
+
+def test_the_survey_is_one_child_that_answers_as_the_in_process_survey_did(nvml_box):
+    box = nvml_box([FakeGpu(), FakeGpu(fail=GPU_IS_LOST, fail_on="ecc")], driver="565.57.01")
+    gpus = gate.survey({}, timeout=5)
+    # One init and one shutdown: one process made every call.
+    assert box.calls() == ["init 0", "shutdown 0"]
+    assert [d.usable for d in gpus.devices] == [True, False]
+    assert "reading its health" in (gpus.devices[1].error or "")
+    assert query_processes(str(box.config)) == []
+
+
+@pytest.mark.parametrize("code", [NOT_READY, TIMEOUT], ids=["not-ready", "timeout"])
+def test_a_card_answering_not_ready_is_transient_as_the_driver_at_start_up_is(nvml_box, code):
+    nvml_box([FakeGpu(fail=code, fail_on="uuid")])
+    with pytest.raises(Fail) as failed:
+        gate.check(gate.GatePlan(), [])
+    assert failed.value.reason == "gpu.not-ready"
+    assert not failed.value.permanent
+    assert f"(NVML error {code})" in failed.value.message and "GPU 0" in failed.value.message
+
+
+def test_a_card_named_in_devices_answering_not_ready_is_transient(nvml_box):
+    nvml_box([FakeGpu(), FakeGpu(fail=NOT_READY, fail_on="handle")])
+    with pytest.raises(Fail) as failed:
+        gate.check(gate.GatePlan(devices=(0, 1)), [])
+    assert failed.value.reason == "gpu.not-ready"
+    assert not failed.value.permanent
+
+
+def test_expect_gpus_short_by_a_card_answering_not_ready_is_transient(nvml_box):
+    nvml_box([FakeGpu(), FakeGpu(fail=TIMEOUT, fail_on="cc")])
+    with pytest.raises(Fail) as failed:
+        gate.check(gate.GatePlan(expect_gpus=2), [])
+    assert failed.value.reason == "gpu.not-ready"
+    assert not failed.value.permanent
+
+
+def test_a_card_answering_not_ready_beside_a_good_one_is_a_note_saying_it_may_be_ready_next_time(nvml_box):
+    nvml_box([FakeGpu(), FakeGpu(fail=NOT_READY, fail_on="uuid")])
+    notes: list[str] = []
+    gpus = gate.check(gate.GatePlan(), notes)
+    assert gpus is not None and gpus.offered_indices == (0,)
+    assert any("GPU 1" in n and "the next attempt may find it ready" in n for n in notes), notes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 from console import fdl_prepare
@@ -15,10 +16,13 @@ from nvml_fixtures import (
     GPU_IS_LOST,
     NOT_READY,
     FakeGpu,
+    alive,
     ampere_pair,
     hgx_h100,
     host_has_nvml,
+    hung_pids,
     no_driver_env,
+    query_processes,
 )
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "capability": (9, 0), "memory": 80 * GIB}
@@ -35,8 +39,8 @@ def _base(columns: int | None = 200) -> dict[str, str]:
     return env
 
 
-def gpus(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return fdl_prepare(env, "gpus", *args)
+def gpus(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return fdl_prepare(env, "gpus", *args, timeout=timeout)
 
 
 def test_gpus_prints_a_table_of_the_cards(fake_nvml):
@@ -235,3 +239,58 @@ def test_the_gpus_table_is_80_columns_wide_when_stdout_is_not_a_terminal(fake_nv
     done = gpus(fake_nvml.box(sick_hgx()).env(_base(columns=None)))
     assert max(len(line) for line in done.stdout.splitlines()) <= 80
     assert "(UUID left out to fit 80 columns; --json has it)" in done.stdout.splitlines()
+
+
+def _hung_box(fake_nvml, call: str):
+    box = fake_nvml.box(ampere_pair())
+    env = box.env(_base())
+    env["FAKE_NVML_HANG"] = call
+    return box, env
+
+
+def _left(box) -> list[int]:
+    """The hung processes still alive a moment after the command ended."""
+    until = time.monotonic() + 3
+    while any(alive(p) for p in hung_pids(box)) and time.monotonic() < until:
+        time.sleep(0.05)
+    return [p for p in hung_pids(box) if alive(p)] + query_processes(str(box.config))
+
+
+@pytest.mark.parametrize("call", ["nvmlInitWithFlags", "nvmlDeviceGetMemoryInfo"])
+def test_gpus_with_a_hung_nvml_call_is_transient_within_the_deadline_and_leaves_no_process(fake_nvml, call):
+    box, env = _hung_box(fake_nvml, call)
+    started = time.monotonic()
+    done = gpus(env, "--json", "--gpu-timeout", "2", timeout=30)
+    took = time.monotonic() - started
+    assert done.returncode == 75, done.stderr
+    data = json.loads(done.stdout)
+    assert data["fail"]["reason"] == "gpu.query-timeout" and data["fail"]["kind"] == "transient"
+    assert data["ready"] is False
+    assert took < 2 + 5, took
+    assert len(hung_pids(box)) == 1
+    assert _left(box) == []
+
+
+def test_an_attempt_with_a_hung_nvml_call_is_transient_within_the_deadline_and_leaves_no_process(fake_nvml):
+    box, env = _hung_box(fake_nvml, "nvmlDeviceGetHandleByIndex_v2")
+    started = time.monotonic()
+    done = fdl_prepare(env, "--json", "--gpu-timeout", "2", timeout=30)
+    took = time.monotonic() - started
+    assert done.returncode == 75, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["reason"] == "gpu.query-timeout"
+    assert "nvmlDeviceGetHandleByIndex for GPU 0 never returned" in done.stdout
+    assert took < 2 + 5, took
+    assert len(hung_pids(box)) == 1
+    assert _left(box) == []
+
+
+def test_gpus_escapes_a_cards_name_before_it_reaches_the_terminal(fake_nvml):
+    # A name is the driver's (or a board's EEPROM's) to say: it must not
+    # drive the terminal, hide text or break the columns.
+    box = fake_nvml.box([FakeGpu(name="Evil\x1b[2J\rGPU\u202e\tX"), FakeGpu()])
+    done = gpus(box.env(_base()))
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "\r" not in done.stdout and "\u202e" not in done.stdout
+    assert "Evil\\x1b[2J\\rGPU\\u202e\\tX" in done.stdout
+    rows = done.stdout.splitlines()
+    assert rows[2].split()[:2] == ["0", "Evil\\x1b[2J\\rGPU\\u202e\\tX"]

@@ -375,6 +375,21 @@ RECORDED = [
     ),
     (EVALUATION, "cannot connect to socket at /srv/socket: Permission denied", "daemon-refused", True),
     (BUILD, 'the group "nixbld" specified in "build-users-group" does not exist', "build-users", True),
+    # A FIFO (socket, device node) in a tree copied to the store: 2.8 and
+    # 2.26 quote the path in single quotes, 2.34 in double.
+    (FETCH, "file '/src/pipe' has an unsupported type", "unsupported-file", True),
+    (FETCH, 'file "/src/pipe" has an unsupported type', "unsupported-file", True),
+    (EVALUATION, "file '/flake/sock' has an unsupported type", "unsupported-file", True),
+    # A builder killed from outside (the OOM killer, an operator) is no
+    # fault of the build; one that crashes by its own signal is.
+    (BUILD, "builder for '/nix/store/a-x.drv' failed due to signal 9 (Killed)", "build-killed", False),
+    (
+        BUILD,
+        "Cannot build '/nix/store/a-x.drv'.\nReason: builder failed due to signal 15 (Terminated).",
+        "build-killed",
+        False,
+    ),
+    (BUILD, "builder for '/nix/store/a-x.drv' failed due to signal 11 (Segmentation fault)", "builder", False),
 ]
 
 
@@ -751,3 +766,29 @@ def test_a_nix_command_line_the_kernel_refuses_is_permanent_naming_the_limits_no
     fail = caught.value
     assert fail.permanent and fail.reason == "config.invalid"
     assert "E2BIG" in fail.message and "4 KiB a URL" in fail.message and "not installed" not in fail.message
+
+
+def test_a_fifo_in_the_training_source_is_permanent_naming_the_file_not_the_network(nix_env, test_flake, tmp_path):
+    """Nix copies a path: tree into the store and refuses a file that is no
+    regular file, directory or symlink ("file '/src/pipe' has an unsupported
+    type"): the tree is wrong, and no retry or network fixes it."""
+    tree = tmp_path / "src"
+    tree.mkdir()
+    for name, text in trainer().items():
+        if text is not None:
+            (tree / name).write_text(text)
+    os.mkfifo(tree / "pipe")
+    spec = PrepareSpec(
+        source=SourceSpec(from_=f"path:{tree}"),
+        libtorch="cpu",
+        cpu_only=True,
+        flake=test_flake,
+        state_dir=str(tmp_path / "state"),
+    )
+    with pytest.raises(Fail) as caught:
+        build(spec, [])
+    assert (caught.value.reason, caught.value.permanent) == ("source.unsupported-file", True), caught.value.message
+    assert str(tree / "pipe") in caught.value.message
+    fix = caught.value.message.split("Fix:")[1]
+    assert "network" not in fix and "retries" not in fix
+    assert "-type p" in fix or "FIFO" in fix

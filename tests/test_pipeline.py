@@ -26,6 +26,8 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     ("spec", "field"),
     [
         (PrepareSpec(cpu_only=True, list_timeout_s=-1), "PrepareSpec.list_timeout_s"),
+        (PrepareSpec(cpu_only=True, gpu_timeout_s=-1), "PrepareSpec.gpu_timeout_s"),
+        (PrepareSpec(cpu_only=True, gpu_timeout_s=5000), "PrepareSpec.gpu_timeout_s"),
         (PrepareSpec(cpu_only=True, build_timeout_s=0), "PrepareSpec.build_timeout_s"),
         (PrepareSpec(cpu_only=True, data=DataSpec(data_path=5)), "PrepareSpec.data.data_path"),  # type: ignore[arg-type]
         (PrepareSpec(cpu_only=True, data=DataSpec(data_source=["x"])), "PrepareSpec.data.data_source"),  # type: ignore[arg-type]

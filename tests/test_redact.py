@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,36 @@ def test_a_token_in_a_urls_query_is_hidden_wherever_it_is_quoted(text, shown):
     assert redact(text) == shown
 
 
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        (
+            f"sshfs -o 'ProxyCommand=ssh -W %h:%p bastion --token {TOKEN}' -o Port=22 -- h:/d /m",
+            "sshfs -o 'ProxyCommand=***' -o Port=22 -- h:/d /m",
+        ),
+        (f"['SetEnv=API_TOKEN={TOKEN}', 'Port=22', 'SendEnv={TOKEN}']", "['SetEnv=***', 'Port=22', 'SendEnv=***']"),
+        # Every one of them on a line, not only the first.
+        (
+            f"sftp -o 'ProxyCommand=/bin/nc --token {TOKEN}' -o 'SetEnv=A={TOKEN}' -o Port=1",
+            "sftp -o 'ProxyCommand=***' -o 'SetEnv=***' -o Port=1",
+        ),
+        # Unquoted, nothing marks the value's end: the rest of the line goes.
+        (f"-o SetEnv=A={TOKEN} -o Port=1\nnext line", "-o SetEnv=***\nnext line"),
+        (f"ssh -oSetEnv=API_TOKEN={TOKEN}", "ssh -oSetEnv=***"),
+        (f"KnownHostsCommand=/usr/bin/keys --auth {TOKEN}", "KnownHostsCommand=***"),
+        (f'-o "RemoteCommand=run {TOKEN}" -o Port=22', '-o "RemoteCommand=***" -o Port=22'),
+        (f"-o 'localcommand=echo {TOKEN}'", "-o 'localcommand=***'"),
+        (f"-o 'ssh_command=ssh -o SetEnv=T={TOKEN}'", "-o 'ssh_command=***'"),
+        (f"SendEnv={TOKEN}", "SendEnv=***"),
+        # ssh's own words about a keyword, and look-alike keys, stay.
+        ("keyword setenv extra arguments at end of line", "keyword setenv extra arguments at end of line"),
+        ("MySetEnv=1 notProxyCommand=2 Port=22", "MySetEnv=1 notProxyCommand=2 Port=22"),
+    ],
+)
+def test_a_secret_carrying_ssh_options_value_is_hidden_wherever_it_is_quoted(text, shown):
+    assert redact(text) == shown
+
+
 KEY = (
     "-----BEGIN OPENSSH PRIVATE KEY-----\n"
     "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
@@ -182,3 +213,29 @@ def test_a_credential_nix_itself_quotes_from_a_flakes_own_input_is_hidden(nix_en
     # Nix's own error quotes the URL it could not download, token and all.
     assert "http://***@127.0.0.1:1/private.tar.gz" in caught.value.message
     assert TOKEN not in said
+
+
+def test_a_secret_in_an_ssh_option_never_reaches_the_verbose_lines_the_journal_or_json(box, tmp_path):
+    # `check` reaches the data host with sftp: -v shows that command line,
+    # and the failure its try-it-by-hand line, each with ssh.options in it.
+    if shutil.which("sftp") is None:
+        pytest.skip("sftp (openssh-client) is not installed")
+    done = fdl_prepare(
+        box,
+        "check",
+        "-v",
+        "--json",
+        "--cpu-only",
+        "--data-source",
+        "sshfs://root@127.0.0.1:1/srv/data",
+        "--data-path",
+        str(tmp_path / "data"),
+        "--ssh-option",
+        f"ProxyCommand=/bin/false --token {TOKEN}",
+        "--ssh-option",
+        f"SetEnv=API_TOKEN={TOKEN}",
+    )
+    assert done.returncode in (75, 78), done.stderr
+    assert TOKEN not in done.stdout + done.stderr
+    assert "running: sftp" in done.stderr and "'ProxyCommand=***'" in done.stderr
+    assert "ProxyCommand=***" in json.loads(done.stdout)["fail"]["message"]

@@ -21,13 +21,15 @@ what they run and no more.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, NoReturn
 
-from prepare.cli.report import EXIT_OK, NAME, NORMAL, QUIET, VERBOSE, Report, Streams, Usage, usage
+from prepare.cli.report import EXIT_OK, NAME, NORMAL, QUIET, SCHEMA, VERBOSE, Report, Streams, Usage, usage
 from prepare.config.fields import TABLE, Field, Table, nest
 from prepare.fail import Fail
 
@@ -63,7 +65,7 @@ COMPLETION_HELP = (
 # smoke run: floDl's manifest has no field for it, so it is each box's own.
 PUBLISH_SHARED = ("flake", "state_dir", "build_timeout")
 # The keys `gpus` judges the cards by: the gate's.
-GPUS_KEYS = ("devices", "expect_gpus", "driver_dir")
+GPUS_KEYS = ("devices", "expect_gpus", "driver_dir", "gpu_timeout")
 # The commands that read the config, and the root options they take, given
 # before their word as after it (after it wins): `check` is an attempt's.
 TAKES_CONFIG: dict[str, tuple[str, ...] | None] = {"gpus": GPUS_KEYS, "check": None}
@@ -105,8 +107,19 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> NoReturn:
-        print(version_line(), flush=True)
+        if _VERSION_AS_JSON.get():
+            from prepare import __version__
+
+            out = {"kind": "version", "schema": SCHEMA, "name": NAME, "version": __version__, "revision": revision()}
+            print(json.dumps(out), flush=True)
+        else:
+            print(version_line(), flush=True)
         parser.exit()
+
+
+# Whether --json was given beside --version: argparse runs the action as it
+# meets the flag, before --json (which may come after it) is parsed.
+_VERSION_AS_JSON: ContextVar[bool] = ContextVar("version_as_json", default=False)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -385,6 +398,7 @@ def run(args: Sequence[str] | None = None, *, table: Table = TABLE) -> int:
         as_json = "--json" in _options_given(argv, the_parser)
     except Exception:  # noqa: BLE001 (no word of a command line may turn its usage error into a bug)
         as_json = False
+    _VERSION_AS_JSON.set(as_json)
     try:
         if argv[:1] == ["publish"] and len(argv) == 1:
             # No arguments at all is a request for help, as a usage error.

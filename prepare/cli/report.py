@@ -109,6 +109,14 @@ class Usage(Exception):
         self.command = command
 
 
+# The reasons of the two outcomes that are no Fail of the box, for a
+# controller that keys on `reason` alone: neither is in prepare.fail.REASONS
+# (neither is permanent or transient: a usage error is the caller's, an
+# interruption the operator's), and no Fail reason starts with `cli.`.
+USAGE_REASON = "cli.usage"
+INTERRUPTED_REASON = "cli.interrupted"
+
+
 def usage(error: Usage, *, as_json: bool = False) -> int:
     """A usage error as click words one, on stderr; with `as_json`, also
     as one JSON object on stdout (else stdout stays empty). The message may
@@ -116,7 +124,7 @@ def usage(error: Usage, *, as_json: bool = False) -> int:
     escaped."""
     message = printable(redact(error.message))
     if as_json:
-        out = {"kind": "usage", "schema": SCHEMA, "message": message, "usage": error.usage}
+        out = {"kind": "usage", "schema": SCHEMA, "reason": USAGE_REASON, "message": message, "usage": error.usage}
         print(json.dumps(out), flush=True)
     say(f"Usage: {error.usage}\nTry '{error.command} -h' for help.\n\nError: {message}", FAILURE)
     return EXIT_USAGE
@@ -292,7 +300,13 @@ class Report:
         )
         self.status("interrupted", "stopped before preparation finished")
         if self.as_json:
-            out = {"kind": "interrupted", "schema": SCHEMA, "message": message, "notes": self._notes()}
+            out = {
+                "kind": "interrupted",
+                "schema": SCHEMA,
+                "reason": INTERRUPTED_REASON,
+                "message": message,
+                "notes": self._notes(),
+            }
             print(json.dumps(out, sort_keys=True), flush=True)
         else:
             self._notes_left()

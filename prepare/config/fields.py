@@ -220,6 +220,16 @@ FIELDS: tuple[Field, ...] = (
         help="Give up listing the dataset root after this long (dead mount). Default: 10.",
     ),
     Field(
+        key="gpu_timeout",
+        flag="--gpu-timeout",
+        spec="gpu_timeout_s",
+        kind=LIST_SECONDS,
+        metavar="SECONDS",
+        default=30.0,
+        nix="nullOr (numbers.between 0.1 3600)",
+        help="Give up on GPU drivers that have not answered the survey after this long (transient). Default: 30.",
+    ),
+    Field(
         key="build_timeout",
         flag="--build-timeout",
         spec="build_timeout_s",

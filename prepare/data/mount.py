@@ -24,10 +24,11 @@ import stat
 import time
 from collections.abc import Mapping
 
-from prepare.data import listing, url
+from prepare.data import listing, ssh_config, url
 from prepare.data.url import Source, sshfs_argv
 from prepare.fail import Fail
 from prepare.host import human, mounts, proc
+from prepare.host.redact import redact
 from prepare.notes import warning
 from prepare.spec import SshSpec
 
@@ -400,7 +401,9 @@ def _mount(source: Source, mountpoint: str, ssh: SshSpec, notes: list[str]) -> N
         raise _no_sshfs(source)
     _check_identity(ssh)
     _ensure_mountpoint(mountpoint)
-    argv = sshfs_argv(source, mountpoint, ssh)
+    # As ssh reads them (not sshfs's -o escaping), the ones that can carry a secret.
+    secrets = [option for option in url.ssh_options(ssh)[0] if url.secret(option)]
+    argv = sshfs_argv(source, mountpoint, ssh, ssh_config.write(secrets, notes))
     where = f"mounting data_source `{source.url}` at {mountpoint}"
     start = time.monotonic()
     try:
@@ -498,7 +501,7 @@ def _sshfs_failed(
         return Fail(
             "data.host-key",
             f"{where}: the data host {what}. No retry changes known_hosts: {host_key_fix(source.host, source.port)}. "
-            f"Try it by hand: `{shlex.join(verbose)}`",
+            f"Try it by hand: `{_by_hand(verbose)}`",
         )
     keys = [line.strip() for line in everything.splitlines() if _KEY_REFUSED.match(line.strip())]
     if keys:
@@ -507,7 +510,7 @@ def _sshfs_failed(
             f"{where}: ssh will not use the private key it was given (ssh said: {' / '.join(dict.fromkeys(keys))}). "
             "That is this box's key, not the far side: `chmod 600` a key others can read, remove a passphrase "
             "(`ssh-keygen -p -N '' -f KEY`) or load the key into an ssh-agent, and check `ssh.identity_file` "
-            f"(flag --identity-file) and any IdentityFile in `ssh.options`. Try it by hand: `{shlex.join(verbose)}`",
+            f"(flag --identity-file) and any IdentityFile in `ssh.options`. Try it by hand: `{_by_hand(verbose)}`",
         )
     refused = _option_errors(f"{done.stderr}\n{said}")
     if refused:
@@ -515,15 +518,15 @@ def _sshfs_failed(
         in_file = any(not line.startswith(("fuse: ", "command-line")) for line in refused)
         return Fail(
             "config.invalid",
-            f"{where}: ssh cannot use the options it was given ({tool} said: {' / '.join(refused)}). "
+            f"{where}: ssh cannot use the options it was given ({tool} said: {redact(' / '.join(refused))}). "
             f"That is this box's configuration, not the far side: fix `ssh.options` (flag "
             f"--ssh-option: ssh_config options as Key=Value, or sshfs's own)"
             f"{' or the ssh_config file named there' if in_file else ''}. "
-            f"Try it by hand: `{shlex.join(verbose)}`",
+            f"Try it by hand: `{_by_hand(verbose)}`",
         )
     return Fail(
         "data.unreachable",
-        f"{where} failed: {tool} exited {done.returncode}{_quoted(said, tool)}. Try it by hand: `{shlex.join(verbose)}`",
+        f"{where} failed: {tool} exited {done.returncode}{_quoted(said, tool)}. Try it by hand: `{_by_hand(verbose)}`",
     )
 
 
@@ -573,4 +576,11 @@ def _quoted(stderr: str, tool: str = "sshfs") -> str:
         return ""
     if len(text) > 2000:
         text = text[:2000] + " ..."
-    return f"; {tool} said: {text}"
+    return f"; {tool} said: {redact(text)}"
+
+
+def _by_hand(argv: list[str]) -> str:
+    """A command for the operator to run, with the value of any ssh option
+    that can carry a secret (ProxyCommand, SetEnv, ...) hidden: the message
+    goes to the journal, and the operator has the option in the config."""
+    return redact(shlex.join(argv))

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from prepare.fail import Fail
+from prepare.host.redact import SSH_SECRET_OPTIONS
 from prepare.spec import SshSpec
 
 SCHEME = "sshfs"
@@ -274,7 +275,7 @@ def with_tunnel_defaults(source: Source, ssh: SshSpec | None, notes: list[str]) 
 _KEY_VALUE = re.compile(r"^([A-Za-z][A-Za-z0-9_]*)(?:\s*=\s*|\s+)(.*)$", re.DOTALL)
 
 
-def _ssh_option(option: str) -> str:
+def ssh_option(option: str) -> str:
     """One ssh_config option as sshfs takes it after `-o`.
 
     sshfs wants `Key=Value` (ssh_config's `Key Value` is an unknown option
@@ -289,27 +290,42 @@ def _ssh_option(option: str) -> str:
     return option.replace("\\", "\\\\").replace(",", "\\,")
 
 
-def sshfs_argv(source: Source, mountpoint: str, ssh: SshSpec | None = None) -> list[str]:
+def secret(option: str) -> bool:
+    """Whether an ssh option (`Key=Value`, as sshfs takes it) can carry a
+    secret in its value, and so goes into prepare.data.ssh_config's file
+    rather than on a command line (sshfs's own ssh_command is no
+    ssh_config keyword: it stays)."""
+    key = option.split("=", 1)[0].strip().lower()
+    return key in SSH_SECRET_OPTIONS and key != "ssh_command"
+
+
+def sshfs_argv(
+    source: Source, mountpoint: str, ssh: SshSpec | None = None, config_file: str | None = None
+) -> list[str]:
     """The sshfs command line: its options, then `--`, the source and the
     mountpoint. The ssh block's own options come first:
     OpenSSH keeps the first value it sees for a key, so the operator's
     choices win over the defaults that follow. Those defaults come last
-    (ro above all) and cannot be switched off from the config."""
+    (ro above all) and cannot be switched off from the config. With
+    `config_file` (prepare.data.ssh_config), the options that can carry a
+    secret are in that file, named with -F, not on the command line."""
     argv = ["sshfs"]
 
     def opt(value: str) -> None:
         argv.extend(["-o", value])
 
+    if config_file is not None:
+        argv.extend(["-F", config_file])
     if ssh is not None:
         for option in ssh.options:
-            if option.strip():
-                opt(_ssh_option(option))
+            if option.strip() and not (config_file is not None and secret(ssh_option(option))):
+                opt(ssh_option(option))
         if ssh.identity_file:
             key = ssh.identity_file
             # ssh splits an option's value on whitespace unless it is quoted.
             if any(c.isspace() for c in key):
                 key = f'"{key}"'
-            opt(_ssh_option(f"IdentityFile={key}"))
+            opt(ssh_option(f"IdentityFile={key}"))
     # The source's port, not the ssh block's: the data host and the tunnel
     # target can be different machines.
     if source.port is not None:
@@ -382,15 +398,19 @@ def ssh_options(ssh: SshSpec | None) -> tuple[list[str], list[str]]:
     return given, own
 
 
-def sftp_argv(source: Source, ssh: SshSpec | None = None) -> list[str]:
+def sftp_argv(source: Source, ssh: SshSpec | None = None, config_file: str | None = None) -> list[str]:
     """An sftp command, in batch mode (its commands on stdin), that reaches
     the source's host with the ssh options the mount would use: the ssh
     block's first (OpenSSH keeps the first value it sees), the source's
-    port, then the mount's own defaults that are ssh's."""
+    port, then the mount's own defaults that are ssh's; with `config_file`,
+    the options that can carry a secret from that file (sshfs_argv)."""
     argv = ["sftp", "-b", "-"]
+    if config_file is not None:
+        argv += ["-F", config_file]
     given, _ = ssh_options(ssh)
     for option in given:
-        argv += ["-o", option]
+        if not (config_file is not None and secret(option)):
+            argv += ["-o", option]
     if source.port is not None:
         argv += ["-o", f"Port={source.port}"]
     for default in SSHFS_DEFAULTS:

@@ -2,7 +2,7 @@
 
 The gate reads the box the way ROCm's own runtime does, and nothing more, so
 it works where no ROCm user space is installed (a libtorch ROCm archive brings
-its own runtime) and costs a few file reads and opens, no subprocess:
+its own runtime) and costs a few file reads and opens:
 
 - the KFD topology, `/sys/class/kfd/kfd/topology/nodes/<n>/properties`: one
   `name value` line per property, as drivers/gpu/drm/amd/amdkfd/kfd_topology.c
@@ -17,6 +17,10 @@ its own runtime) and costs a few file reads and opens, no subprocess:
 - `/dev/kfd` and `/dev/dri/renderD<minor>`, opened read-write and closed at
   once, as the runtime opens them: permission is proved by opening, never
   inferred from mode bits (root, ACLs, a device cgroup all disagree with them).
+
+Every one of those reads and opens is made by the query child, under a
+deadline (prepare.gpu.query): a sysfs read of a card in a bad state can block
+for good. What it met is replayed here (`Recorded`) through the same code.
 
 Numbering follows the runtime, so `devices`, ROCR_VISIBLE_DEVICES and the
 run agree on what "GPU 2" is. libhsakmt walks the topology nodes in order
@@ -60,6 +64,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prepare.gpu.devices import cpu_only
+from prepare.gpu.query import QUERY_TIMEOUT_S, Recorded
 from prepare.notes import warning
 
 TOPOLOGY = "/sys/class/kfd/kfd/topology/nodes"
@@ -241,14 +246,30 @@ def parse_override(value: str | None) -> str | None:
     return gfx_name(major * 10000 + minor * 100 + stepping)
 
 
-def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
+def paths() -> dict[str, str]:
+    """What the query child reads and opens (prepare.gpu._query)."""
+    return {"topology": TOPOLOGY, "drm": DRM, "kfd": KFD, "render": RENDER}
+
+
+def survey(
+    env: Mapping[str, str] | None = None, *, files: Recorded | None = None, timeout: float = QUERY_TIMEOUT_S
+) -> AmdGpus | None:
     """The AMD GPUs of this box after the masks in `env` (default: this
     process's environment). None when the amdgpu driver publishes no KFD
-    topology: no AMD GPU to speak of. Never raises: a node that cannot be
-    read is noted, a device that cannot be used is marked unusable."""
+    topology: no AMD GPU to speak of. Every file is read, and every device
+    opened, by the query child under a deadline (prepare.gpu.query): `files`
+    is what it recorded, else it is asked here within `timeout` seconds. A
+    node that cannot be read is noted, a device that cannot be used is
+    marked unusable; only a driver that does not answer in time raises
+    (gpu.query-timeout, transient)."""
     env = os.environ if env is None else env
+    if files is None:
+        from prepare.gpu import query
+
+        answers = query.ask(amd=paths(), driver_dir=None, mig=False, timeout=timeout)
+        files = Recorded((answers.amd or {}).get("ops") or {})
     try:
-        entries = os.listdir(TOPOLOGY)
+        entries = files.listdir(TOPOLOGY)
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -264,7 +285,7 @@ def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
         )
     found: list[tuple[int, dict[str, int]]] = []
     for node in sorted(int(e) for e in entries if e.isdigit()):
-        props, why = _read_properties(node)
+        props, why = _read_properties(files, node)
         if props is None:
             notes.append(f"AMD: KFD topology node {node} is skipped, as the ROCm runtime skips it: {why}.")
             continue
@@ -279,7 +300,7 @@ def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
             continue
         found.append((node, props))
 
-    devices, blocked, render_notes = _open_devices(found, override)
+    devices, blocked, render_notes = _open_devices(files, found, override)
     notes.extend(render_notes)
     if override is not None and devices:
         notes.append(
@@ -344,11 +365,10 @@ def survey(env: Mapping[str, str] | None = None) -> AmdGpus | None:
     )
 
 
-def _read_properties(node: int) -> tuple[dict[str, int] | None, str]:
+def _read_properties(files: Recorded, node: int) -> tuple[dict[str, int] | None, str]:
     path = f"{TOPOLOGY}/{node}/properties"
     try:
-        with open(path, encoding="ascii", errors="replace") as fh:
-            text = fh.read()
+        text = files.read(path)
     except PermissionError as err:
         # kfd_topology.c answers EPERM for a GPU the device cgroup hides.
         return None, f"reading {path} was refused ({_why(err)}): the device cgroup hides this GPU"
@@ -363,7 +383,7 @@ def _read_properties(node: int) -> tuple[dict[str, int] | None, str]:
 
 
 def _open_devices(
-    found: Sequence[tuple[int, dict[str, int]]], override: str | None
+    files: Recorded, found: Sequence[tuple[int, dict[str, int]]], override: str | None
 ) -> tuple[list[AmdDevice], str | None, list[str]]:
     """Each GPU node with its render node opened for real, then /dev/kfd:
     the devices (indices as the runtime assigns them), why the runtime
@@ -378,14 +398,14 @@ def _open_devices(
         device = AmdDevice(
             index=None,
             node=node,
-            name=_read_drm(minor, "product_name"),
+            name=_read_drm(files, minor, "product_name"),
             gfx=gfx,
             target=override or gfx,
             unique_id=props.get("unique_id") or None,
             pci=_pci(props),
             device_id=props.get("device_id") or None,
             render_minor=minor,
-            memory_total=_int_or_none(_read_drm(minor, "mem_info_vram_total")),
+            memory_total=_int_or_none(_read_drm(files, minor, "mem_info_vram_total")),
             usable=True,
             error=None,
         )
@@ -395,13 +415,12 @@ def _open_devices(
             )
             continue
         render = RENDER.format(minor=minor)
-        err = _try_open(render)
+        err = files.try_open(render)
         if err is not None and err.errno in (errno.ENOENT, errno.EPERM):
             # libhsakmt drops the node and numbers the GPUs after it down.
-            devices.append(replace(device, usable=False, error=_render_missing(render, minor, err)))
-            notes.append(
-                f"AMD: {device.label()} is not seen by the ROCm runtime: {_render_missing(render, minor, err)}."
-            )
+            missing = _render_missing(files, render, minor, err)
+            devices.append(replace(device, usable=False, error=missing))
+            notes.append(f"AMD: {device.label()} is not seen by the ROCm runtime: {missing}.")
             continue
         device = replace(device, index=index)
         index += 1
@@ -412,7 +431,7 @@ def _open_devices(
         devices.append(device)
 
     if any(d.index is not None for d in devices):
-        err = _try_open(KFD)
+        err = files.try_open(KFD)
         if err is not None:
             blocked = _blocked(KFD, err)
             short = f"the ROCm runtime cannot open {KFD} ({_why(err)})"
@@ -423,16 +442,6 @@ def _open_devices(
         short = "the ROCm runtime cannot start: " + next(d.error for d in devices if d.error and d.index is not None)
         devices = [d if d.index is None or d.error else replace(d, usable=False, error=short) for d in devices]
     return devices, blocked, notes
-
-
-def _try_open(path: str) -> OSError | None:
-    """Open read-write and close: the runtime's own first contact."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as err:
-        return err
-    os.close(fd)
-    return None
 
 
 def _blocked(path: str, err: OSError) -> str:
@@ -466,10 +475,10 @@ def _blocked(path: str, err: OSError) -> str:
     )
 
 
-def _render_missing(render: str, minor: int, err: OSError) -> str:
+def _render_missing(files: Recorded, render: str, minor: int, err: OSError) -> str:
     if err.errno == errno.EPERM:
         return f"the device cgroup refuses {render} ({_why(err)})"
-    if os.path.exists(f"{DRM}/renderD{minor}"):
+    if files.exists(f"{DRM}/renderD{minor}"):
         return (
             f"the kernel made renderD{minor} ({DRM}/renderD{minor}) but this /dev has no {render}: in a "
             "container pass it in (--device=/dev/dri)"
@@ -477,12 +486,11 @@ def _render_missing(render: str, minor: int, err: OSError) -> str:
     return f"there is no {render} and the kernel publishes no renderD{minor}"
 
 
-def _read_drm(minor: int | None, name: str) -> str | None:
+def _read_drm(files: Recorded, minor: int | None, name: str) -> str | None:
     if minor is None:
         return None
     try:
-        with open(f"{DRM}/renderD{minor}/device/{name}", encoding="utf-8", errors="replace") as fh:
-            value = fh.read().strip()
+        value = files.read(f"{DRM}/renderD{minor}/device/{name}").strip()
     except OSError:
         return None
     return value or None

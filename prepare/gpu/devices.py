@@ -40,6 +40,10 @@ class Device:
     # What NVML says of its fitness to train (prepare.gpu.health); empty when it
     # was not read (an unusable card).
     health: tuple[Check, ...] = ()
+    # The driver answered NOT_READY or TIMEOUT for it (a card still coming
+    # up, a reset in progress): unusable now, and the next attempt may find
+    # it ready, as the same answer at the driver's start-up is.
+    waiting: bool = False
 
     @property
     def problems(self) -> tuple[Check, ...]:

@@ -32,7 +32,6 @@ milliseconds), and it runs only there.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
@@ -100,26 +99,27 @@ def kernel_version() -> str | None:
     return found.group(1) if found else ""
 
 
-def ensure(directory: str, notes: list[str], *, change: bool = True) -> None:
+def ensure(directory: str, notes: list[str], *, change: bool = True) -> str | None:
     """Make `directory` the links the box's NVIDIA driver needs, when the box
     has NVIDIA cards and is not NixOS. Raises a permanent Fail when the
     libraries are missing or of another version than the kernel module, or
     the directory cannot be written. `change` False: the same judgement of
     the libraries and of the directory, and a note of what an attempt would
     link, with nothing linked or made (`fdl-prepare check`, `fdl-prepare
-    gpus`); the host's NVML is then loaded from where the linker cache lists
-    it, as the attempt would have it from the directory."""
+    gpus`); the host's NVML is then returned from where the linker cache
+    lists it, for the survey to load as the attempt would have it from the
+    directory (prepare.gpu.query); otherwise None."""
     kernel = kernel_version()
     if kernel is None or is_nixos():
-        return
+        return None
     libraries = _host_libraries(notes)
     if libraries is None:
-        return
+        return None
     _check_versions(libraries, kernel)
     if change:
         _link(directory, libraries, kernel, notes)
-    else:
-        _preview(directory, libraries, notes)
+        return None
+    return _preview(directory, libraries, notes)
 
 
 def _host_libraries(notes: list[str]) -> list[Library] | None:
@@ -304,7 +304,7 @@ def _not_the_hosts(directory: str, libraries: Sequence[Library]) -> str:
     return path
 
 
-def _preview(directory: str, libraries: Sequence[Library], notes: list[str]) -> None:
+def _preview(directory: str, libraries: Sequence[Library], notes: list[str]) -> str | None:
     """What `_link` would do to `directory`, said in a note, after the same
     judgement of every directory on the way; nothing is made or linked. The
     directory (or, while it is missing, the nearest one on its way) must
@@ -339,7 +339,8 @@ def _preview(directory: str, libraries: Sequence[Library], notes: list[str]) -> 
                 f"NVIDIA libraries there anew ({', '.join(sorted(stale)[:4])}{', ...' if len(stale) > 4 else ''})"
             )
     if _readlink_at(os.path.join(path, NVML)) != wanted.get(NVML):
-        _load_host_nvml(wanted[NVML])
+        return _host_nvml(wanted[NVML])
+    return None
 
 
 def _probe_link(directory: str) -> None:
@@ -357,10 +358,10 @@ def _readlink_at(path: str) -> str | None:
         return None
 
 
-def _load_host_nvml(path: str) -> None:
-    """The host's NVML loaded into this process (by the path its linker
-    cache lists, trusted as the directory's would be), so the survey of a
-    check finds what an attempt's finds through the directory it links."""
+def _host_nvml(path: str) -> str:
+    """The host's NVML for the survey to load (by the path its linker cache
+    lists, trusted as the directory's would be), so the survey of a check
+    finds what an attempt's finds through the directory it links."""
     from prepare.host import trust
 
     found = trust.doubt(path)
@@ -370,8 +371,7 @@ def _load_host_nvml(path: str) -> None:
             f"GPU gate: NVML would be loaded from {path}, which the host's linker cache lists, but {found.path} "
             f"{found.why}: whoever could change it could run code as this process. Fix: {found.fix}",
         )
-    with contextlib.suppress(OSError):
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return path
 
 
 def _readlink(fd: int, name: str) -> str | None:
@@ -519,28 +519,25 @@ def _unwritable(directory: str, err: OSError) -> Fail:
     )
 
 
-def preload_nvml(directory: str) -> bool:
-    """Load NVML from the driver directory into this process, so that
-    pynvml's own load by name finds it (the loader matches an already
-    loaded library by its soname): how a Nix-built fdl-prepare, whose
+def nvml_in(directory: str) -> tuple[str | None, Fail | None]:
+    """NVML in the driver directory, for the GPU query to load when the
+    loader finds none (prepare.gpu.query): how a Nix-built fdl-prepare, whose
     loader ignores the host's cache, reaches the driver the same way a
-    pip-installed one does. False when there is none there to load."""
+    pip-installed one does. Its path (None: there is none there), and the
+    Fail loading it would be: it is loaded into a process of root's, so only
+    from where nobody else could have put it (on NixOS the directory is a
+    link into the store). The query raises that Fail only if it needs the
+    library."""
     path = os.path.join(directory, NVML)
     if not os.path.exists(path):
-        return False
+        return None, None
     from prepare.host import trust
 
-    # Loaded into this process, which runs as root: only from where nobody
-    # else could have put it (on NixOS the directory is a link into the store).
     found = trust.doubt(path)
-    if found is not None:
-        raise Fail(
-            "gpu.driver-dir-untrusted",
-            f"GPU gate: NVML would be loaded from the driver directory {directory} (driver_dir, --driver-dir), but "
-            f"{found.path} {found.why}: whoever could change it could run code as this process. Fix: {found.fix}",
-        )
-    try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    except OSError:
-        return False
-    return True
+    if found is None:
+        return path, None
+    return path, Fail(
+        "gpu.driver-dir-untrusted",
+        f"GPU gate: NVML would be loaded from the driver directory {directory} (driver_dir, --driver-dir), but "
+        f"{found.path} {found.why}: whoever could change it could run code as this process. Fix: {found.fix}",
+    )

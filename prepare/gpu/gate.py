@@ -7,8 +7,10 @@ marked unusable (and noted) instead of failing the box. What fails the box is
 permanent, because no retry can fix it: no driver, a driver that is not
 loaded, a user-space library that does not match the kernel module, no
 permission on /dev/nvidia*, no usable device left after the masks, or
-`devices` naming a card that is not there. Only NVML saying it is not ready
-yet (early in boot) is transient.
+`devices` naming a card that is not there. NVML saying it is not ready yet
+(early in boot), of itself or of a card the box needs (NOT_READY or TIMEOUT
+on that card's query), is transient, and so is a driver that does not
+answer at all (prepare.gpu.query).
 
 The survey itself is prepare.gpu.nvml for NVIDIA cards (NVML, and how
 CUDA_VISIBLE_DEVICES and MIG ids are read) and prepare.gpu.amd for AMD ones;
@@ -55,6 +57,7 @@ from prepare.fail import Fail
 from prepare.gpu import nvml
 from prepare.gpu.devices import AMD, NVIDIA, Device, Gpus, cpu_only
 from prepare.gpu.nvml import NvmlUnusable
+from prepare.gpu.query import QUERY_TIMEOUT_S
 from prepare.spec import DRIVER_DIR
 
 if TYPE_CHECKING:
@@ -73,6 +76,8 @@ class GatePlan:
     devices: tuple[int, ...] | None = None
     expect_gpus: int | None = None
     driver_dir: str = DRIVER_DIR
+    # How long the drivers get to answer the survey (prepare.gpu.query).
+    query_timeout_s: float = QUERY_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -125,19 +130,32 @@ def health(plan: GatePlan, notes: list[str]) -> Health:
     return Health(judged, stopped)
 
 
-def survey(env: Mapping[str, str] | None = None, *, driver_dir: str = DRIVER_DIR) -> Gpus:
+def survey(
+    env: Mapping[str, str] | None = None,
+    *,
+    driver_dir: str = DRIVER_DIR,
+    timeout: float = QUERY_TIMEOUT_S,
+    nvml_path: str | None = None,
+) -> Gpus:
     """Ask NVML about every NVIDIA device and the amdgpu driver about every
     AMD one, then apply each vendor's masks from `env` (default: this
     process's environment). Raises a Fail when NVML itself cannot be used
     and the box has no AMD GPU; a device whose queries fail is only marked
-    unusable. NVML is what the loader finds, else the one in `driver_dir`
-    (prepare.gpu.driver_dir), as a Nix-built program finds the driver."""
+    unusable. NVML is what the loader finds, else `nvml_path`, else the one
+    in `driver_dir` (prepare.gpu.driver_dir), as a Nix-built program finds
+    the driver. Every call is made in one child within `timeout` seconds
+    (prepare.gpu.query): a driver that does not answer is
+    `gpu.query-timeout`, transient."""
     env = os.environ if env is None else env
-    from prepare.gpu.amd import survey as survey_amd
+    from prepare.gpu import amd as amd_survey
+    from prepare.gpu import query
 
-    amd = survey_amd(env)
+    answers = query.ask(
+        amd=amd_survey.paths(), driver_dir=driver_dir, mig=nvml.wants_mig(env), timeout=timeout, nvml_path=nvml_path
+    )
+    amd = amd_survey.survey(env, files=query.Recorded((answers.amd or {}).get("ops") or {}))
     try:
-        gpus = nvml.survey(env, driver_dir)
+        gpus = nvml.survey(env, answers.nvml, answers.preload)
     except NvmlUnusable as fail:
         # One image serves NVIDIA and AMD boxes: on an AMD box the NVML
         # library is missing, or installed with no NVIDIA kernel module to
@@ -180,8 +198,8 @@ def surveyed(plan: GatePlan, notes: list[str], *, change: bool = True) -> Gpus:
 
     # Before NVML: on a box that is not NixOS, this is also where a
     # Nix-built fdl-prepare finds NVML itself.
-    driver_dir.ensure(plan.driver_dir, notes, change=change)
-    gpus = survey(driver_dir=plan.driver_dir)
+    host_nvml = driver_dir.ensure(plan.driver_dir, notes, change=change)
+    gpus = survey(driver_dir=plan.driver_dir, timeout=plan.query_timeout_s, nvml_path=host_nvml)
     notes.extend(gpus.notes)
     return gpus
 
@@ -294,6 +312,12 @@ def _refuse_named_sick(named: Sequence[int], gpus: Gpus, *, nvml_named: Sequence
         f"{d.label()} is unusable: {d.error}" if not d.usable else f"{d.label()}: {d.health_line()}" for d in nvidia
     ] + [f"{a.label()} is unusable: {a.error}" for a in amd_bad]
     head = f"GPU gate: devices = {list(named)} (--devices) names a card that cannot train: " + "; ".join(said) + ". "
+    if not amd_bad and all(d.waiting for d in nvidia):
+        raise Fail(
+            "gpu.not-ready",
+            head + "The driver says it is not ready yet (still coming up, or a reset in progress): the next "
+            "attempt asks again; if it stays so, `nvidia-smi -q` shows the driver's view.",
+        )
     if not amd_bad and all(d.usable and not d.problems for d in nvidia):
         raise Fail(
             "gpu.fabric-not-ready",
@@ -323,6 +347,8 @@ def _judged(plan: GatePlan, gpus: Gpus, notes: list[str]) -> Gpus:
             + f". `nvidia-smi -q` shows the driver's view, `sudo dmesg | grep -i xid` shows GPU faults; "
             f"a lost GPU needs a reset (`sudo nvidia-smi -r`) or a reboot, {cpu_only()}."
         )
+        if any(d.waiting for d in devices):
+            raise _not_ready(devices)
         if amd is None or not amd_devices:
             raise Fail("gpu.unusable", "GPU gate: no usable GPU: " + nvidia_why)
         message = "GPU gate: no usable GPU: " + _no_usable_amd(amd) + "."
@@ -387,6 +413,8 @@ def _check_expected(gpus: Gpus, expected: int) -> None:
     offered: tuple[int, ...]
     short: list[str] = []
     not_ready = 0
+    # Cards the driver says are not ready yet (prepare.gpu.devices.Device.waiting).
+    waiting = 0
     if vendor == AMD and gpus.amd is not None:
         amd = gpus.amd
         offered = amd.offered_indices
@@ -404,6 +432,7 @@ def _check_expected(gpus: Gpus, expected: int) -> None:
                 continue
             if not d.usable:
                 short.append(f"{d.label()} is unusable: {d.error}")
+                waiting += d.waiting
             elif d.problems or d.not_ready:
                 short.append(f"{d.label()}: {d.health_line()}")
                 not_ready += bool(d.not_ready and not d.problems)
@@ -425,6 +454,12 @@ def _check_expected(gpus: Gpus, expected: int) -> None:
         + "; ".join(short)
         + ". "
     )
+    if waiting and len(offered) + not_ready + waiting >= expected:
+        raise Fail(
+            "gpu.not-ready",
+            said + "The cards the driver says are not ready yet (still coming up, or a reset in progress) may be "
+            "ready on the next attempt, which retries.",
+        )
     if len(offered) + not_ready >= expected:
         raise Fail(
             "gpu.fabric-not-ready",
@@ -452,6 +487,20 @@ def _card_states(gpus: Gpus) -> str:
         else:
             parts.append(f"{d.label()} is healthy")
     return "; ".join(parts)
+
+
+def _not_ready(devices: Sequence[Device]) -> Fail:
+    """No card is usable, and the driver says of one that it is not ready
+    yet: what it says at start-up, said of a card (transient)."""
+    return Fail(
+        "gpu.not-ready",
+        "GPU gate: no usable GPU yet: "
+        + "; ".join(f"{d.label()}: {d.error}" for d in devices)
+        + ". The driver says "
+        + ", ".join(d.label() for d in devices if d.waiting)
+        + " not ready yet (still coming up, or a reset in progress): the next attempt asks again. If it stays "
+        "so, `nvidia-smi -q` shows the driver's view and `sudo dmesg | grep -i xid` the card's faults.",
+    )
 
 
 def _no_healthy(gpus: Gpus, left: Sequence[Device]) -> Fail:

@@ -18,6 +18,9 @@ the first CUDA call of a run. What NVML can tell beforehand, per card:
   (`cudaErrorSystemNotReady`). Still being set up is worth another attempt
   (the fabric manager trains NVLink at boot); set up with an error is not.
   `nvmlDeviceGetGpuFabricInfoV`, else the older `nvmlDeviceGetGpuFabricInfo`.
+
+The calls are made by the query child (prepare.gpu.query), under a deadline;
+`read` judges its answers, replayed through prepare.gpu.nvml.Replay.
 - **Compute mode** `Prohibited`: no process may create a CUDA context.
   `nvmlDeviceGetComputeMode`.
 
@@ -175,29 +178,11 @@ def _ecc(ask: Ask, pynvml: Any, handle: Any, index: int) -> Check:
     return Check(name, "ok", "no uncorrectable ECC error since the driver loaded")
 
 
-def _fabric_info(pynvml: Any, handle: Any) -> Any:
-    """The fabric info through the versioned call where the driver and
-    pynvml have it, else the original one (drivers before it existed)."""
-    import ctypes
-
-    versioned = getattr(pynvml, "nvmlDeviceGetGpuFabricInfoV", None)
-    struct = getattr(pynvml, "c_nvmlGpuFabricInfoV_t", None)
-    if versioned is not None and struct is not None:
-        info = struct()
-        try:
-            versioned(handle, ctypes.byref(info))
-            return info
-        except pynvml.NVMLError as err:
-            if getattr(err, "value", None) not in (_FUNCTION_NOT_FOUND, _ARGUMENT_VERSION_MISMATCH):
-                raise
-    info = pynvml.c_nvmlGpuFabricInfo_t()
-    pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
-    return info
-
-
 def _fabric(ask: Ask, pynvml: Any, handle: Any, index: int) -> Check:
     name = "fabric"
-    info, unknown = ask(name, lambda: _fabric_info(pynvml, handle))
+    # The versioned call where the driver and pynvml have it, else the
+    # original one (prepare.gpu._query makes them).
+    info, unknown = ask(name, lambda: pynvml.fabric_info(handle))
     if unknown is not None:
         return unknown
     # nvml.h declares the state one byte wide; pynvml reads it as a c_uint,
@@ -218,7 +203,7 @@ def _fabric(ask: Ask, pynvml: Any, handle: Any, index: int) -> Check:
             f"stays so, {fm}; it must be installed and running, at the driver's own version",
         )
     if state == _FABRIC_COMPLETED and status != 0:
-        said = _error_string(pynvml, status)
+        said = "unknown" if info.said is None else repr(str(info.said))
         return Check(
             name,
             "sick",
@@ -246,10 +231,3 @@ def _compute_mode(ask: Ask, pynvml: Any, handle: Any, index: int) -> Check:
             "unless something sets it again)",
         )
     return Check(name, "ok", f"compute mode {label}")
-
-
-def _error_string(pynvml: Any, code: int) -> str:
-    try:
-        return repr(str(pynvml.nvmlErrorString(code)))
-    except pynvml.NVMLError:
-        return "unknown"

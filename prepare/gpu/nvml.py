@@ -3,9 +3,11 @@ CUDA_VISIBLE_DEVICES mask, for the gate (prepare.gpu.gate) and `fdl-prepare gpus
 
 NVML rather than the CUDA driver API: NVML is the driver's management library,
 answers in milliseconds and creates no CUDA context, so the gate holds nothing
-on the cards while the run is being prepared. `pynvml` (the `nvidia-ml-py`
-distribution) is imported inside the functions that use it, so `import
-prepare` and `--help` never load it, and `cpu_only` never touches it at all.
+on the cards while the run is being prepared. This process never calls it:
+`pynvml` (the `nvidia-ml-py` distribution) is imported and called only in the
+query child, under a deadline (prepare.gpu.query), and what it answered is
+replayed here (`Replay`) through the code that judges it; `cpu_only` never
+asks at all.
 
 A card whose queries fail is marked unusable (and noted), not fatal: the
 gate's bar is any usable card. What makes NVML unusable as a whole is an
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from prepare.fail import Fail
@@ -128,6 +131,11 @@ def _nvml_fail_message(said: str, code: int | None) -> Fail:
 
 
 def _device_hint(code: int | None, index: int) -> str:
+    if code in (_NOT_READY, _TIMEOUT):
+        return (
+            "The driver says the card is not ready (still coming up, or a reset in progress): the next "
+            f"attempt may find it ready; if it stays so, `nvidia-smi -q -i {index}` shows the driver's view."
+        )
     if code == _GPU_IS_LOST:
         return f"A lost GPU needs a reset (`sudo nvidia-smi -r -i {index}`) or a reboot."
     if code == _NO_PERMISSION:
@@ -135,24 +143,25 @@ def _device_hint(code: int | None, index: int) -> str:
     return f"`nvidia-smi -q -i {index}` shows the driver's view; `sudo dmesg | grep -i xid` shows GPU faults."
 
 
-def survey(env: Mapping[str, str], driver_dir: str) -> Gpus:
+def survey(env: Mapping[str, str], answers: Mapping[str, Any] | None, untrusted: Fail | None = None) -> Gpus:
     """Every NVIDIA card NVML lists, each marked usable or not with why,
-    and CUDA_VISIBLE_DEVICES from `env` applied. Raises NvmlUnusable when
-    NVML itself cannot be used. NVML is what the loader finds, else the one
-    in `driver_dir` (prepare.gpu.driver_dir)."""
-    try:
-        import pynvml
-    except ImportError:  # a declared dependency, but a box of AMD GPUs does without it
+    and CUDA_VISIBLE_DEVICES from `env` applied, judged from the answers
+    the query child recorded (prepare.gpu.query; None: pynvml is not
+    installed). Raises NvmlUnusable when NVML itself cannot be used, and
+    `untrusted` when NVML had to come from a driver directory it may not
+    be loaded from."""
+    if answers is None or "missing" in answers:
+        # A declared dependency, but a box of AMD GPUs does without it.
         raise NvmlUnusable(
             Fail(
                 "gpu.nvml-module-missing",
                 f"GPU gate: the Python module pynvml is missing: `pip install nvidia-ml-py`, {cpu_only()}.",
             ),
             "the Python module pynvml is missing",
-        ) from None
-
+        )
+    pynvml = Replay(answers.get("answers") or {}, untrusted)
     try:
-        _init(pynvml, driver_dir)
+        pynvml.nvmlInit()
     except pynvml.NVMLError as err:
         raise _nvml_fail(err, "at nvmlInit") from None
 
@@ -309,23 +318,6 @@ def _by_prefix(prefix: str, candidates: Sequence[tuple[str, int]], what: str) ->
     return None, "it is ambiguous, matching " + ", ".join(f"GPU {i}" for i in matches) + ": give more of the UUID"
 
 
-def _init(pynvml: Any, driver_dir: str) -> None:
-    """nvmlInit, with NVML from the driver directory when the loader finds
-    none: a pip-installed fdl-prepare gets the host's through its linker
-    cache, a Nix-built one (whose glibc never reads that cache) through the
-    directory, as every other Nix-built program does."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as err:
-        if getattr(err, "value", None) != _LIBRARY_NOT_FOUND:
-            raise
-        from prepare.gpu.driver_dir import preload_nvml
-
-        if not preload_nvml(driver_dir):
-            raise
-        pynvml.nvmlInit()
-
-
 def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
     """One device: every query is tried, the first failure that matters is
     kept as the reason the device is unusable. A name or memory size the
@@ -345,7 +337,8 @@ def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
 
     handle = ask(pynvml.nvmlDeviceGetHandleByIndex, index)
     if handle is None:
-        return Device(index, None, None, None, None, usable=False, error=errors[0]), None, codes[0]
+        waiting = codes[0] in (_NOT_READY, _TIMEOUT)
+        return Device(index, None, None, None, None, usable=False, error=errors[0], waiting=waiting), None, codes[0]
     name = ask(pynvml.nvmlDeviceGetName, handle, optional=True)
     uuid = ask(pynvml.nvmlDeviceGetUUID, handle)
     capability = ask(pynvml.nvmlDeviceGetCudaComputeCapability, handle)
@@ -368,6 +361,7 @@ def _survey_device(pynvml: Any, index: int) -> tuple[Device, Any, int | None]:
         usable=not errors,
         error=errors[0] if errors else None,
         health=checks,
+        waiting=bool(codes) and codes[0] in (_NOT_READY, _TIMEOUT),
     )
     return device, handle, (codes[0] if codes else None)
 
@@ -409,3 +403,109 @@ def _uses_indices(value: str | None) -> bool:
 
 def _mixed(devices: Sequence[Device]) -> bool:
     return len({(d.name, d.capability) for d in devices}) > 1
+
+
+def wants_mig(env: Mapping[str, str]) -> bool:
+    """Whether CUDA_VISIBLE_DEVICES names a MIG instance, so the query
+    lists them (it costs NVML calls on every card in MIG mode)."""
+    return any(e.strip().startswith("MIG-") for e in (env.get("CUDA_VISIBLE_DEVICES") or "").split(","))
+
+
+class ReplayError(Exception):
+    """An NVML error the query child recorded, as pynvml's NVMLError
+    carries one: `value` the code, str() NVML's words."""
+
+    def __init__(self, value: int | None, said: str) -> None:
+        super().__init__(said)
+        self.value = value
+        self.said = said
+
+    def __str__(self) -> str:
+        return self.said
+
+
+class Replay:
+    """The pynvml calls this module and prepare.gpu.health make, answered
+    from what the query child recorded (prepare.gpu._query), so the code
+    that judges the answers is the same whoever made the calls. A handle is
+    the child's token for it ("h2": GPU 2)."""
+
+    NVMLError = ReplayError
+
+    def __init__(self, answers: Mapping[str, Any], untrusted: Fail | None = None) -> None:
+        self._answers = answers
+        self._untrusted = untrusted
+
+    def _get(self, *key: object) -> Any:
+        name = " ".join(str(k) for k in key)
+        got = self._answers.get(name)
+        if not isinstance(got, dict):
+            # The child asks what this code asks; a call it did not make is
+            # this code's own fault, and only that card's.
+            raise ReplayError(None, f"{name} was not asked of the driver")
+        if "e" in got:
+            code = got["e"] if isinstance(got["e"], int) else None
+            raise ReplayError(code, str(got.get("s") or "Unknown Error"))
+        return got.get("v")
+
+    def nvmlInit(self) -> None:
+        got = self._answers.get("nvmlInit")
+        if isinstance(got, dict) and "untrusted" in got and self._untrusted is not None:
+            raise self._untrusted
+        self._get("nvmlInit")
+
+    def nvmlShutdown(self) -> None:
+        """The child shut NVML down itself."""
+
+    def nvmlSystemGetDriverVersion(self) -> Any:
+        return self._get("nvmlSystemGetDriverVersion")
+
+    def nvmlSystemGetCudaDriverVersion(self) -> Any:
+        return self._get("nvmlSystemGetCudaDriverVersion")
+
+    def nvmlDeviceGetCount(self) -> Any:
+        return self._get("nvmlDeviceGetCount")
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> Any:
+        return self._get("nvmlDeviceGetHandleByIndex", index)
+
+    def nvmlDeviceGetName(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetName", handle)
+
+    def nvmlDeviceGetUUID(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetUUID", handle)
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetCudaComputeCapability", handle)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: str) -> Any:
+        got = self._get("nvmlDeviceGetMemoryInfo", handle)
+        return SimpleNamespace(total=int(got["total"]))
+
+    def nvmlDeviceGetRemappedRows(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetRemappedRows", handle)
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetRetiredPagesPendingStatus", handle)
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: str, *_counter: int) -> Any:
+        """Uncorrected errors, volatile counter: the one count asked."""
+        return self._get("nvmlDeviceGetTotalEccErrors", handle)
+
+    def fabric_info(self, handle: str) -> Any:
+        """The NVLink fabric state and status (and NVML's words for the
+        status), from the versioned call or the original one."""
+        got = self._get("fabric", handle)
+        return SimpleNamespace(state=int(got["state"]), status=int(got["status"]), said=got.get("said"))
+
+    def nvmlDeviceGetComputeMode(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetComputeMode", handle)
+
+    def nvmlDeviceGetMigMode(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetMigMode", handle)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: str) -> Any:
+        return self._get("nvmlDeviceGetMaxMigDeviceCount", handle)
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: str, slot: int) -> Any:
+        return self._get("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)

@@ -8,6 +8,11 @@ UUID, then the PCI address) are left out first, said under the head, since
 "..."; the STATUS column, which says why a card is not offered, is
 wrapped, never cut; only where even that leaves it no room does it move
 to lines of its own under the row. No line is ever wider than `width`.
+
+Every string a driver gave (a card's name, NVML's error words, a board's
+product_name from sysfs) is escaped (prepare.host.human.printable, and a
+tab as \\t), so a name cannot drive the terminal, forge a line or break
+the columns.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from prepare.host.human import MIN_WIDTH, wrapped
+from prepare.host.human import MIN_WIDTH, printable, wrapped
 
 if TYPE_CHECKING:
     from prepare.gpu.amd import AmdGpus
@@ -36,11 +41,16 @@ def format_table(gpus: Gpus, width: int | None = None) -> str:
     if gpus.amd is None:
         return _nvidia_table(gpus, width)
     nvidia = (
-        wrapped(f"NVIDIA: none ({gpus.nvidia_error})", width)
+        wrapped(_safe(f"NVIDIA: none ({gpus.nvidia_error})"), width)
         if gpus.nvidia_error is not None
         else _nvidia_table(gpus, width)
     )
     return nvidia + "\n\n" + _amd_table(gpus.amd, width)
+
+
+def _safe(text: str) -> str:
+    """A string from a driver, safe in a table: escaped, one line, no tab."""
+    return printable(text).replace("\t", "\\t")
 
 
 def _cut(text: str, width: int) -> str:
@@ -63,6 +73,8 @@ def _aligned(
     them, else that MIN_STATUS of it does (it wraps under itself); else a
     status too long for its place goes on lines of its own under its row,
     beside the first of them whose other columns fit."""
+    rows = [tuple(_safe(cell) for cell in row) for row in rows]
+    head = "\n".join(_safe(line) for line in head.split("\n"))
     columns = len(rows[0]) - 1
     natural = [max(len(row[c]) for row in rows) for c in range(columns)]
     longest = max(len(row[-1]) for row in rows)
@@ -124,7 +136,7 @@ def _nvidia_table(gpus: Gpus, width: int | None) -> str:
         f"CUDA {'unknown' if cuda is None else f'{cuda[0]}.{cuda[1]}'}"
     )
     if not gpus.devices:
-        return wrapped(f"{head}\nno NVIDIA device", width)
+        return wrapped(f"{_safe(head)}\nno NVIDIA device", width)
     offered = set(gpus.offered_indices)
     rows = [("IDX", "NAME", "UUID", "CC", "MEMORY", "STATUS")]
     for d in gpus.devices:
@@ -159,7 +171,7 @@ def format_health(gpus: Gpus, width: int | None = None) -> str:
         verdict = "sick" if d.problems else "not ready" if d.not_ready else "ok"
         lines.append(f"  GPU {d.index}: {verdict}: " + "; ".join(c.detail for c in d.health))
         lines += [f"    fix ({c.name}): {c.action}" for c in d.problems + d.not_ready if c.action]
-    return "\n".join(wrapped(line, width, "  ") for line in lines)
+    return "\n".join(wrapped(_safe(line), width, "  ") for line in lines)
 
 
 def _amd_table(amd: AmdGpus, width: int | None) -> str:
@@ -167,7 +179,7 @@ def _amd_table(amd: AmdGpus, width: int | None) -> str:
         f", HSA_OVERRIDE_GFX_VERSION: kernels for {amd.gfx_override}" if amd.gfx_override else ""
     )
     if not amd.devices:
-        return wrapped(f"{head}\nno AMD GPU with compute units", width)
+        return wrapped(f"{_safe(head)}\nno AMD GPU with compute units", width)
     if amd.blocked is not None:
         head += f"\nno AMD GPU is usable: {amd.blocked}"
     offered = set(amd.offered_indices)

@@ -19,6 +19,15 @@ settings as one with user-info is. A parameter counts when its name says it
 holds a secret (`SECRET_PARAMS`, or a name holding "token", "passw",
 "secret" or "signature"), and its value is not a file's path (Nix's
 `secret-key=/etc/nix/key` names a file, it is not the key).
+
+ssh options whose values can carry a secret (`SSH_SECRET_OPTIONS`: a
+ProxyCommand or KnownHostsCommand with a token in its arguments, SetEnv
+with one in a variable, a LocalCommand or RemoteCommand, sshfs's own
+ssh_command) have their values hidden too, as `Key=***`, wherever an option
+is written `Key=Value`: in `ssh.options` quoted back, in a command line
+(`-o 'ProxyCommand=...'`, `-oSetEnv=...`), in a list. A quoted value is
+hidden up to its closing quote; an unquoted one to the end of its line,
+since such a value may hold spaces and nothing marks where it ends.
 """
 
 from __future__ import annotations
@@ -44,6 +53,41 @@ _SECRET_WORDS = ("token", "passw", "secret", "signature", "credential")
 # name=value in a URL's query (after ? or &, up to the next & # or a
 # character no URL carries).
 _QUERY_PARAM = re.compile(r"(?P<lead>[?&;])(?P<name>[A-Za-z0-9_.~+%-]+)=(?P<value>[^&#\s'\"`<>]*)")
+
+
+# ssh_config keywords (case-insensitive) whose value is a command, or
+# environment handed to the far side: a credential fits in any of them.
+SSH_SECRET_OPTIONS = (
+    "setenv", "sendenv", "proxycommand", "localcommand", "remotecommand", "knownhostscommand", "ssh_command",
+)  # fmt: skip
+# Key= for one of them: after a quote (the quote then ends the value),
+# after -o (`-oSetEnv=...`), or at a word's start.
+_SSH_OPTION = re.compile(
+    r"(?P<q>['\"]?)(?P<o>-o)?(?P<key>(?:(?<=-o)|(?<![\w-]))(?:" + "|".join(SSH_SECRET_OPTIONS) + r"))\s*=",
+    re.IGNORECASE,
+)
+
+
+def _hide_ssh_options(text: str) -> str:
+    """Each secret-carrying option's value as ***: a quoted one (the quote
+    before the key, or one opening the value) up to its closing quote,
+    an unquoted one to the end of its line."""
+    out: list[str] = []
+    at = 0
+    while (match := _SSH_OPTION.search(text, at)) is not None:
+        q = match["q"]
+        start = match.end()
+        line_end = text.find("\n", start)
+        line_end = len(text) if line_end < 0 else line_end
+        if q and q in text[start:line_end]:
+            end = text.index(q, start)
+        elif text[start : start + 1] in ("'", '"') and text[start] in text[start + 1 : line_end]:
+            end = text.index(text[start], start + 1) + 1
+        else:
+            end = line_end
+        out.append(text[at : match.start()] + f"{q}{match['o'] or ''}{match['key']}={HIDDEN}")
+        at = end
+    return "".join(out) + text[at:]
 
 
 def secret_param(name: str, value: str) -> bool:
@@ -77,12 +121,14 @@ def _hide(match: re.Match[str]) -> str:
 
 
 def redact(text: str) -> str:
-    """`text` with every URL's secret user-info, and every secret query
-    parameter's value, replaced by ***."""
+    """`text` with every URL's secret user-info, every secret query
+    parameter's value and every secret-carrying ssh option's value
+    replaced by ***."""
     if "@" in text:
         text = _USERINFO.sub(_hide, text)
     if "=" in text:
         text = _QUERY_PARAM.sub(_hide_param, text)
+        text = _hide_ssh_options(text)
     return text
 
 

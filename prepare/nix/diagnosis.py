@@ -202,6 +202,14 @@ _CACHE_REFUSED = (
     r"not privileged|is not allowed|HTTP error 40[13]|access denied|host key verification failed|"
     r"permission denied \(publickey"
 )
+# A builder killed by a signal from outside its own code: SIGKILL (the
+# OOM killer, `kill -9`), SIGTERM, SIGINT, SIGHUP (an operator, a shutdown).
+# "builder for '/nix/store/…drv' failed due to signal 9 (Killed)" (2.8,
+# 2.26); "Reason: builder failed due to signal 9 (Killed)." (2.34). A
+# builder that crashes by its own signal (SIGSEGV, SIGABRT) is the build's
+# own failure, as an exit code is. Nix's own timeout kills too, but says
+# "timed out" (the timeout row, first).
+_KILLED = r"failed due to signal (1|2|9|15)\b"
 # "builder for '/nix/store/…drv' failed with exit code 3" and "1
 # dependencies of derivation '…' failed to build" (2.8, 2.26); "Cannot build
 # '/nix/store/…drv'.", then "Reason: builder failed with exit code 3." or
@@ -224,6 +232,14 @@ _FETCH = (
     r"ssh: connect to host|host key verification failed|\bSSL\b|\bTLS\b|connection reset by peer|"
     r"unexpected end-of-file|failure when receiving data from the peer"
 )
+
+
+# A tree Nix copies into the store (a path: source, the flake's own) holds a
+# file that is no regular file, directory or symlink: a FIFO, a socket, a
+# device node. 2.8 through 2.34: "file '/src/pipe' has an unsupported type"
+# (2.34 quotes the path in double quotes). Checked before the fetch fallback,
+# which would blame the network for the tree's content.
+_UNSUPPORTED_FILE = rf"file {_Q}{_IN}{_Q} has an unsupported type"
 
 
 @functools.cache
@@ -326,6 +342,14 @@ TIMEOUT = Cause(
     "the build ran past build_timeout_s (--build-timeout); raise it if the build is legitimately "
     "slow; the next attempt retries",
 )
+BUILD_KILLED = Cause(
+    "build-killed",
+    "nix.build-killed",
+    "the build of {build} was killed by a signal from outside it, not a fault of the flake or of the training "
+    "source: the OOM killer (`journalctl -k | grep -i -e oom -e 'killed process'` says so), or an operator or a "
+    "shutdown. The next attempt retries; if the OOM killer keeps ending it, give the box more memory or swap, or "
+    "let Nix run fewer builds at once (max-jobs and cores in nix.conf)",
+)
 BUILDER = Cause(
     "builder",
     "nix.build-failed",
@@ -354,6 +378,14 @@ HOST_KEY = Cause(
     "records one: compare `ssh-keyscan [-p PORT] HOST` (`| ssh-keygen -lf -` for its fingerprints) with the key "
     "the host's operator gives, then add it to the known_hosts file of the user fdl-prepare runs as (root: "
     "/root/.ssh/known_hosts; `ssh-keygen -R HOST` first drops a changed one)",
+)
+UNSUPPORTED_FILE = Cause(
+    "unsupported-file",
+    "source.unsupported-file",
+    "the tree named above holds a file Nix cannot copy into the store (a FIFO, a socket or a device node: only "
+    "regular files, directories and symlinks go into a store path), and every attempt copies the same tree. "
+    "Remove it from the training source (`find DIR -not -type f -not -type d -not -type l` lists them; a FIFO "
+    "is `-type p`), or keep it out of the published tree, and publish again",
 )
 FETCH_FAILED = Cause("fetch", "nix.fetch", "check the network, the URL and its ref; the next attempt retries")
 UNKNOWN = Cause("unknown", "nix.unknown", "the next attempt retries")
@@ -472,12 +504,14 @@ ROWS: tuple[Row, ...] = (
     Row(BUILD_DIR, lambda said: _in_errors(_BUILD_DIR)(said) or _in_build_logs(_BUILD_DIR)(said)),
     Row(DAEMON, _in_errors(_DAEMON)),
     Row(TIMEOUT, _in_errors(_TIMEOUT)),
+    Row(BUILD_KILLED, _nix_said(_KILLED), frozenset({BUILD})),
     Row(
         BUILDER,
         lambda said: _in_errors(_BUILDER)(said) or (said.builds_started and not said.error_records),
         frozenset({BUILD}),
     ),
     Row(BAD_URL, lambda said: said.error_records and _in_errors(_BAD_URL)(said)),
+    Row(UNSUPPORTED_FILE, _in_errors(_UNSUPPORTED_FILE)),
     Row(HOST_KEY, _in_errors_or_other(_HOST_KEY)),
     Row(FETCH_FAILED, _in_errors_or_other(_FETCH)),
     # Killed, crashed, or a failure with nothing said: nothing shows it
@@ -530,6 +564,7 @@ def failure(
     extra: str = "",
     unreachable: Reason = "nix.fetch",
     build_dir: BuildDir = TMP,
+    failed_build: str | None = None,
 ) -> Fail:
     """An operator-facing Fail: what was being done, what Nix said, the fix.
 
@@ -553,6 +588,8 @@ def failure(
     chosen = fix if fix and cause is EVALUATION_FAILED else cause.fix
     if cause is BUILD_DIR_FULL:
         chosen = chosen.format(**build_dir.words())
+    if cause is BUILD_KILLED:
+        chosen = chosen.format(build=failed_build or "a derivation")
     message += f"\nFix: {chosen}"
     reason = unreachable if cause is FETCH_FAILED else cause.reason
     # Nix and git quote URLs as they found them, a flake's own inputs too.
@@ -582,15 +619,23 @@ def explain(
     extra = ""
     if diagnosis.cause is BUILDER and not _builds_from(log.failed_build(), source_path):
         diagnosis = Diagnosis(FLAKE_BUILDER, diagnosis.detail)
-    if diagnosis.cause in (BUILDER, FLAKE_BUILDER, TIMEOUT, BUILD_DIR_FULL):
-        failed = log.failed_build()
+    failed = log.failed_build()
+    if diagnosis.cause in (BUILDER, FLAKE_BUILDER, TIMEOUT, BUILD_DIR_FULL, BUILD_KILLED):
         if failed is not None and failed.log:
             extra = f"last lines of the {failed.name} build log:\n  " + "\n  ".join(failed.log)
     elif log.other and log.errors:
         # git and ssh write the actual cause (refused, unknown ref,
         # bad host key) as plain lines; Nix only says git failed.
         extra = "the fetcher said:\n  " + "\n  ".join(list(log.other)[-8:])
-    return failure(diagnosis, doing, fix=fix, extra=extra, unreachable=unreachable, build_dir=build_dir)
+    return failure(
+        diagnosis,
+        doing,
+        fix=fix,
+        extra=extra,
+        unreachable=unreachable,
+        build_dir=build_dir,
+        failed_build=None if failed is None else failed.name,
+    )
 
 
 # The store name of the training source as the training derivation gets it:

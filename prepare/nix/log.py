@@ -21,6 +21,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# A derivation's path as Nix's errors quote it, in 'x', "x" (2.34) or no quotes.
+_DRV = re.compile(r"[^\s'\"]+\.drv\b")
+
 if TYPE_CHECKING:
     from prepare.spec import Progress
 
@@ -347,14 +350,19 @@ class Log:
         return "\n".join(self.other)
 
     def failed_build(self) -> Activity | None:
-        """The build an error record names, else the last one that started."""
-        text = "\n".join(self.errors)
+        """The build that failed first: the first one Nix's errors name
+        ("builder for '/nix/store/…-x.drv' failed ..."), else one whose end
+        was counted failed, else the last one that started. The errors come
+        first: once a build fails, Nix stops the builds still running beside
+        it, and their activities can end (and be counted failed) before the
+        one that failed, so the count would name a sibling."""
         builds = self.builds()
+        by_drv = {act.fields[0]: act for act in builds if act.fields and isinstance(act.fields[0], str)}
+        for error in self.errors:
+            for drv in _DRV.findall(error):
+                if drv in by_drv:
+                    return by_drv[drv]
         for act in builds:
             if act.outcome == "failed":
-                return act
-        for act in builds:
-            drv = act.fields[0] if act.fields else None
-            if drv and drv in text:
                 return act
         return builds[-1] if builds else None

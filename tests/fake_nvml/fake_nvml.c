@@ -43,6 +43,9 @@
  *                                          return code). Without it both answer NOT_SUPPORTED, as every
  *                                          part before Hopper does.
  *
+ * $FAKE_NVML_HANG=FUNCTION: that exported function blocks forever (see
+ * hang_if_asked), logging "hang FUNCTION PID" first.
+ *
  * Without $FAKE_NVML_CONFIG, nvmlInitWithFlags answers
  * NVML_ERROR_LIBRARY_NOT_FOUND: a test process that once preloaded the fake
  * behaves, for every test that did not ask for a box, like a machine with no
@@ -56,6 +59,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -307,6 +311,37 @@ static nvmlReturn_t load_config(void)
     return init_error;
 }
 
+/* $FAKE_NVML_HANG names an exported function (nvmlInitWithFlags,
+ * nvmlDeviceGetHandleByIndex_v2, ...) that then never returns, as a call into
+ * a driver whose card fell off the bus can block for good. It logs
+ * "hang <function> <pid>" first, so a test can tell the call was reached and
+ * prove the blocked process is gone afterwards. The variable is read at each
+ * call, not from the config: the hang must hold whichever call comes first. */
+static void hang_if_asked(const char *function)
+{
+    const char *wanted = getenv("FAKE_NVML_HANG");
+    if (!wanted || strcmp(wanted, function) != 0)
+        return;
+    char what[160];
+    snprintf(what, sizeof what, "hang %s", function);
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    if (path && *path && !log_path[0]) {
+        /* init has not read the config yet: find the log line in it. */
+        FILE *f = fopen(path, "r");
+        char line[sizeof log_path];
+        while (f && fgets(line, sizeof line, f))
+            if (strncmp(line, "log ", 4) == 0) {
+                trim(line);
+                snprintf(log_path, sizeof log_path, "%s", line + 4);
+            }
+        if (f)
+            fclose(f);
+    }
+    log_line(what, (int)getpid());
+    for (;;)
+        pause();
+}
+
 static int is_device(nvmlDevice_t d)
 {
     if (d >= devices && d < devices + device_count)
@@ -339,6 +374,7 @@ static nvmlReturn_t copy_text(char *out, unsigned length, const char *text)
 
 EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
+    hang_if_asked(__func__);
     (void)flags;
     nvmlReturn_t rc = NVML_SUCCESS;
     if (refcount == 0)
@@ -351,6 +387,7 @@ EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 
 EXPORT nvmlReturn_t nvmlShutdown(void)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = NVML_SUCCESS;
     if (refcount == 0)
         rc = NVML_ERROR_UNINITIALIZED;
@@ -362,6 +399,7 @@ EXPORT nvmlReturn_t nvmlShutdown(void)
 
 EXPORT const char *nvmlErrorString(nvmlReturn_t result)
 {
+    hang_if_asked(__func__);
     switch (result) {
     case 0: return "Success";
     case 1: return "Uninitialized";
@@ -385,6 +423,7 @@ EXPORT const char *nvmlErrorString(nvmlReturn_t result)
 
 EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
 {
+    hang_if_asked(__func__);
     if (refcount == 0)
         return NVML_ERROR_UNINITIALIZED;
     if (driver_error)
@@ -394,6 +433,7 @@ EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int lengt
 
 EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version)
 {
+    hang_if_asked(__func__);
     if (refcount == 0)
         return NVML_ERROR_UNINITIALIZED;
     if (cuda_error)
@@ -406,6 +446,7 @@ EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version)
 
 EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
 {
+    hang_if_asked(__func__);
     if (refcount == 0)
         return NVML_ERROR_UNINITIALIZED;
     if (count_error)
@@ -418,6 +459,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
 
 EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
 {
+    hang_if_asked(__func__);
     if (refcount == 0)
         return NVML_ERROR_UNINITIALIZED;
     if (index >= device_count || !device)
@@ -430,18 +472,21 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice
 
 EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_NAME);
     return rc ? rc : copy_text(name, length, device->name);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_UUID);
     return rc ? rc : copy_text(uuid, length, device->uuid);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_CC);
     if (rc)
         return rc;
@@ -455,6 +500,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int 
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_MEM);
     if (rc)
         return rc;
@@ -470,6 +516,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *m
  * older part, which the real library answers with NOT_SUPPORTED. */
 EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *current, unsigned int *pending)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_MIG);
     if (rc)
         return rc;
@@ -483,6 +530,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *curr
 
 EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_MIG);
     if (rc)
         return rc;
@@ -498,6 +546,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned
  * some of the seven possible instances were created: NOT_FOUND. */
 EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index, nvmlDevice_t *mig)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_MIG);
     if (rc)
         return rc;
@@ -525,6 +574,7 @@ static nvmlReturn_t card_call(nvmlDevice_t device, int query)
 EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
                                               unsigned int *isPending, unsigned int *failureOccurred)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = card_call(device, Q_REMAP);
     if (rc)
         return rc;
@@ -539,6 +589,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int 
 
 EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, nvmlEnableState_t *isPending)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = card_call(device, Q_PAGES);
     if (rc)
         return rc;
@@ -553,6 +604,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t device, 
 EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryErrorType_t errorType,
                                                 nvmlEccCounterType_t counterType, unsigned long long *eccCounts)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = card_call(device, Q_ECC);
     if (rc)
         return rc;
@@ -565,6 +617,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, nvmlMemoryE
 
 EXPORT nvmlReturn_t nvmlDeviceGetComputeMode(nvmlDevice_t device, nvmlComputeMode_t *mode)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = card_call(device, Q_COMPUTE);
     if (rc)
         return rc;
@@ -591,6 +644,7 @@ static void fill_fabric(const struct nvmlDevice_st *d, unsigned char *uuid, nvml
 
 EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabricInfo_t *info)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = card_call(device, Q_FABRIC);
     if (rc)
         return rc;
@@ -606,6 +660,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(nvmlDevice_t device, nvmlGpuFabri
  * struct version this library does not know is ARGUMENT_VERSION_MISMATCH. */
 EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t device, nvmlGpuFabricInfo_v3_t *info)
 {
+    hang_if_asked(__func__);
     nvmlReturn_t rc = device_call(device, Q_FABRICV);
     if (rc)
         return rc;
