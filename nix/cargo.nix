@@ -121,9 +121,28 @@ rec {
     (under lockDir "target/*/release/${bin}")
   ];
 
+  # Packages Cargo.lock fetches from git, as "name version (url)", the URL
+  # without any user or token in it. A git dependency has no hash in
+  # Cargo.lock that a fixed-output fetch could check, and fetching it at
+  # evaluation (builtins.fetchGit) would run git as root, with whatever
+  # credentials root has, against a URL the training source chose.
+  gitDependencies =
+    let
+      lock = fromTOML (readFile lockFile);
+      isGit = p: isString (p.source or null) && match "git\\+.*" p.source != null;
+      shown =
+        url:
+        let
+          parts = match "([a-z+]+://)([^/@]*@)?(.*)" url;
+        in
+        if parts == null then url else "${head parts}${builtins.elemAt parts 2}";
+    in
+    map (p: "${p.name} ${p.version} (${shown p.source})") (filter isGit (lock.package or [ ]));
+
   # Refuses, at evaluation, a source that asks for a newer Rust than
-  # `rustc` (the toolchain's version string), and a CUDA build of a crate
-  # that has no `cuda` feature to turn on. Returns true otherwise.
+  # `rustc` (the toolchain's version string), a CUDA build of a crate that
+  # has no `cuda` feature to turn on, and git dependencies. Returns true
+  # otherwise.
   check =
     {
       rustc ? null,
@@ -133,7 +152,9 @@ rec {
       rustVersion = field "rust-version";
       channel = toolchainChannel;
     in
-    if cuda && !hasPackage then
+    if gitDependencies != [ ] then
+      fail "the training source's Cargo.lock has git dependencies: ${concatStringsSep ", " gitDependencies}; the flake fetches crates only by a hash Cargo.lock records, which a git dependency lacks: publish it to a registry, or vendor it into the source as a path dependency"
+    else if cuda && !hasPackage then
       fail "`cwd` = ${quote here} is a virtual workspace root (no [package]): a CUDA build turns on the crate's `cuda` feature, so set `cwd` to the crate that builds `bin`"
     else if cuda && !(manifest ? features && manifest.features ? cuda) then
       fail "the crate ${quote pname} in `cwd` = ${quote here} has no cargo feature `cuda`, which a CUDA variant builds with (`--features cuda`, as floDl's own build lines do): add `cuda = [\"flodl/cuda\"]` under [features] in its Cargo.toml"

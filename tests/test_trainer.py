@@ -358,3 +358,111 @@ def test_a_source_without_cargo_lock_is_permanent_before_anything_is_built(
     assert failed.value.permanent and failed.value.reason == "nix.evaluation"
     assert 'has no Cargo.lock in `cwd` = "."' in failed.value.message
     assert "commit Cargo.lock" in failed.value.message
+
+
+# --- the CUDA build -------------------------------------------------------------------------
+
+
+def needed(binary: str) -> list[str]:
+    dynamic = subprocess.run(["readelf", "-d", binary], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
+
+
+_BUILT_CUDA: dict[str, dict[str, str]] = {}
+
+
+@pytest.fixture
+def built_cuda_example(env, torch_flake, tmp_path) -> dict[str, str]:
+    """The example trainer with its `cuda` feature, built by the test flake
+    exactly as the production flake builds a floDl crate for a CUDA variant:
+    against the cu128 libtorch from PyTorch's wheels (nix/libtorch-wheel.nix),
+    CUDA_HOME its `cuda` output. Built once per session."""
+    from nix_fixtures import require_cuda_wheels
+
+    require_cuda_wheels()
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf (binutils) is not installed")
+    if torch_flake not in _BUILT_CUDA:
+        tree = example_copy(tmp_path / "example")
+        recipe = {**example_recipe(), "libtorch": "cu128"}
+        done = nix(
+            env,
+            "build",
+            "--json",
+            "--no-link",
+            f"{torch_flake}#{FDL}.libtorch.cu128",
+            f"{torch_flake}#{FDL}.training",
+            *overrides(env, tree, tmp_path / "recipe", **recipe),
+            timeout=3600,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        outputs = [entry["outputs"] for entry in json.loads(done.stdout)]
+        libtorch = next(o for o in outputs if "cuda" in o)
+        training = next(o["out"] for o in outputs if "cuda" not in o)
+        _BUILT_CUDA[torch_flake] = {**libtorch, "training": training}
+    return _BUILT_CUDA[torch_flake]
+
+
+def test_a_cuda_build_links_torch_cuda_cudart_and_nccl_and_trains_on_the_cpu_saying_cuda_is_unavailable(
+    built_cuda_example,
+):
+    binary = f"{built_cuda_example['training']}/bin/train"
+    out = built_cuda_example["out"]
+
+    ran = smoke(binary)
+
+    assert ran.returncode == 0, ran.stderr
+    # No driver here: CUDA is simply unavailable, and the step runs on the
+    # CPU. scripts/gpu-check runs this test on a GPU box, where the binary
+    # must see the cards through the driver directory instead.
+    seen = "\\d+ CUDA device\\(s\\)" if os.environ.get("FDL_GPU_CHECK") == "1" else "CUDA unavailable"
+    assert re.search(rf"CUDA runtime 12\.8, NCCL \d+, {seen}", ran.stdout), ran.stdout
+    before, after = map(float, LOSS.search(ran.stdout).groups())  # type: ignore[union-attr]
+    assert after < before and "with libtorch 2.10.0" in ran.stdout
+    # What flodl-sys links under `cuda`, each found through the RUNPATH alone,
+    # which ends at the driver directory (libcuda.so.1, libnvidia-ml.so.1).
+    assert {"libtorch_cuda.so", "libc10_cuda.so", "libcudart.so.12", "libnccl.so.2"} <= set(needed(binary))
+    assert runpath(binary) == [
+        f"{out}/lib",
+        f"{out}/nvidia/cuda_runtime/lib",
+        f"{out}/nvidia/nccl/lib",
+        "/run/opengl-driver/lib",
+    ]
+
+
+def test_the_cuda_libtorch_is_flodl_shaped_its_archs_read_from_the_wheel_and_its_libraries_reach_the_driver(
+    built_cuda_example,
+):
+    out, dev, cuda = (Path(built_cuda_example[k]) for k in ("out", "dev", "cuda"))
+
+    assert (out / "build-version").read_text() == "2.10.0+cu128\n"
+    # floDl's .arch, the archs the build read from libtorch_cuda.so's
+    # fatbinary and checked against nix/wheels.nix.
+    assert (out / ".arch").read_text() == (
+        "cuda=12.8\ntorch=2.10.0\narchs=7.0 7.5 8.0 8.6 9.0 10.0 12.0\nsource=precompiled\nvariant=cu128\n"
+    )
+    # CUDA_HOME: every header floDl's shim includes, in one include/.
+    for header in ("cuda_runtime.h", "nccl.h", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h"):
+        assert (cuda / "include" / header).is_file(), header
+    assert (cuda / "include" / "crt" / "host_config.h").is_file()
+    assert (dev / "include" / "ATen" / "cuda" / "CUDAGraph.h").is_file()
+    # lib64/: link names and sonames, pointing into `out`.
+    for name in ("libcudart.so", "libcudart.so.12", "libnccl.so", "libnccl.so.2"):
+        assert os.path.realpath(cuda / "lib64" / name).startswith(f"{out}/nvidia/"), name
+    # The CUDA libraries dlopen libcuda.so.1 through their own RPATH.
+    for library in (out / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12", out / "lib" / "libc10_cuda.so"):
+        assert "/run/opengl-driver/lib" in runpath(str(library))
+    assert "$ORIGIN/../nvidia/cublas/lib" in runpath(str(out / "lib" / "libtorch_cuda.so"))
+
+
+def test_the_cuda_training_closure_holds_the_libraries_and_neither_headers_nor_cuda_home(built_cuda_example):
+    closure = subprocess.run(
+        ["nix-store", "-qR", built_cuda_example["training"]],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
+    ).stdout.split()
+
+    assert built_cuda_example["out"] in closure
+    assert built_cuda_example["dev"] not in closure and built_cuda_example["cuda"] not in closure
