@@ -41,8 +41,9 @@
     let
       # The wiring uses builtins only: evaluating `fdl.variants` or
       # `fdl.contract` must not even fetch nixpkgs, let alone libtorch.
-      # PyTorch publishes the cu128 build for both (nix/wheels.nix); its CPU
-      # build has a pin for x86_64 only.
+      # nix/wheels.nix pins cpu and cu128 for x86_64, cpu for aarch64 (a
+      # variant without a pin for the system fails when its libtorch is
+      # evaluated, saying so).
       systems = [
         "x86_64-linux"
         "aarch64-linux"

@@ -4,21 +4,24 @@
 # `cuda` and `archs` from here without building anything.
 #
 # Where each pin comes from:
-#   - cu128: PyPI's own `torch==2.10.0` is PyTorch's CUDA 12.8 build
+#   - cu128 (x86_64): PyPI's own `torch==2.10.0` is PyTorch's CUDA 12.8 build
 #     (its torch/version.py says 2.10.0+cu128); its CUDA libraries are the
 #     nvidia-*-cu12 wheels its metadata requires, at exactly those versions,
 #     plus nvidia-cuda-nvcc-cu12 (crt/host_config.h) and nvidia-cuda-cccl-cu12
 #     (CUDA's C++ headers), which floDl's CUDA shim needs to compile. URLs and
 #     sha256 are PyPI's simple index entries for those files, as
 #     `pip install --dry-run --report` prints them (download_info.url,
-#     archive_info.hashes.sha256), for cp311 on manylinux_2_28 x86_64 and
-#     aarch64 (PyPI's aarch64 torch 2.10.0 is the same CUDA 12.8 build, for
-#     Grace/SBSA). The x86_64 files were downloaded and checked against these.
+#     archive_info.hashes.sha256), for cp311 on manylinux_2_28 x86_64; every
+#     file was downloaded and checked against them.
 #   - cpu (x86_64): torch-2.10.0+cpu from PyTorch's index,
 #     https://download.pytorch.org/whl/cpu/; the sha256 is the one public
 #     Dockerfiles pin it with (`ARG TORCH_CPU_WHL=…torch-2.10.0%2Bcpu-cp313-cp313-manylinux_2_28_x86_64.whl#sha256=…`).
 #     Only the libtorch inside is used, so the Python tag does not matter.
-#     No aarch64 cpu pin: no public source quoted its hash.
+#   - cpu (aarch64): PyPI's `torch==2.10.0` for aarch64, which is the CPU
+#     build (its torch/version.py says 2.10.0+cpu; no libtorch_cuda.so);
+#     sha256 from PyPI's index, and the downloaded file matched it.
+#   - No cu128 for aarch64: PyTorch's +cu128 aarch64 wheel is on its own
+#     index only, and no public source quoted its hash.
 #   - cu126: not shipped. torch-2.10.0+cu126 (cp311, x86_64) is quoted with
 #     sha256 a9a9ba3b2baf23c044499ffbcbed88e04b6e38b94189c7dc42dd2cfcdd8c55c0,
 #     but the nvidia-*-cu12 12.6 set it requires is only in that wheel's
@@ -41,6 +44,12 @@
           {
             url = "https://download.pytorch.org/whl/cpu/torch-2.10.0%2Bcpu-cp313-cp313-manylinux_2_28_x86_64.whl";
             sha256 = "8d316e5bf121f1eab1147e49ad0511a9d92e4c45cc357d1ab0bee440da71a095";
+          }
+        ];
+        aarch64-linux = [
+          {
+            url = "https://files.pythonhosted.org/packages/78/89/f5554b13ebd71e05c0b002f95148033e730d3f7067f67423026cc9c69410/torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl";
+            sha256 = "3282d9febd1e4e476630a099692b44fdc214ee9bf8ee5377732d9d9dfe5712e4";
           }
         ];
       };
@@ -130,80 +139,6 @@
         {
           url = "https://files.pythonhosted.org/packages/c6/96/00037683ebaeefb53e710286871a3e8338d6800466441d26c498331a036d/nvidia_cuda_cccl_cu12-12.8.90-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl";
           sha256 = "575bc5cfb0fe4a1956c539215c0f1e6718821b95a68ef6b7abf226aa87e3a5ad";
-        }
-      ];
-      aarch64-linux = [
-        {
-          url = "https://files.pythonhosted.org/packages/78/89/f5554b13ebd71e05c0b002f95148033e730d3f7067f67423026cc9c69410/torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl";
-          sha256 = "3282d9febd1e4e476630a099692b44fdc214ee9bf8ee5377732d9d9dfe5712e4";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/7c/75/f865a3b236e4647605ea34cc450900854ba123834a5f1598e160b9530c3a/nvidia_cuda_runtime_cu12-12.8.90-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "52bf7bbee900262ffefe5e9d5a2a69a30d97e2bc5bb6cc866688caa976966e3d";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/bb/1c/857979db0ef194ca5e21478a0612bcdbbe59458d7694361882279947b349/nvidia_nccl_cu12-2.27.5-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "31432ad4d1fb1004eb0c56203dc9bc2178a1ba69d1d9e02d64a6938ab5e40e7a";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/29/99/db44d685f0e257ff0e213ade1964fc459b4a690a73293220e98feb3307cf/nvidia_cublas_cu12-12.8.4.1-py3-none-manylinux_2_27_aarch64.whl";
-          sha256 = "b86f6dd8935884615a0683b663891d43781b819ac4f2ba2b0c9604676af346d0";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/bc/f7/cd777c4109681367721b00a106f491e0d0d15cfa1fd59672ce580ce42a97/nvidia_cusparse_cu12-12.5.8.93-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "9b6c161cb130be1a07a27ea6923df8141f3c295852f4b260c65f18f3e0a091dc";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/c8/32/f7cd6ce8a7690544d084ea21c26e910a97e077c9b7f07bf5de623ee19981/nvidia_cusolver_cu12-11.7.3.90-py3-none-manylinux_2_27_aarch64.whl";
-          sha256 = "db9ed69dbef9715071232caa9b69c52ac7de3a95773c2db65bdba85916e4e5c0";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/60/bc/7771846d3a0272026c416fbb7e5f4c1f146d6d80704534d0b187dd6f4800/nvidia_cufft_cu12-11.3.3.83-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "848ef7224d6305cdb2a4df928759dca7b1201874787083b6e7550dd6765ce69a";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/45/5e/92aa15eca622a388b80fbf8375d4760738df6285b1e92c43d37390a33a9a/nvidia_curand_cu12-10.3.9.90-py3-none-manylinux_2_27_aarch64.whl";
-          sha256 = "dfab99248034673b779bc6decafdc3404a8a6f502462201f2f31f11354204acd";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/fa/41/e79269ce215c857c935fd86bcfe91a451a584dfc27f1e068f568b9ad1ab7/nvidia_cudnn_cu12-9.10.2.21-py3-none-manylinux_2_27_aarch64.whl";
-          sha256 = "c9132cc3f8958447b4910a1720036d9eff5928cc3179b0a51fb6d167c6cc87d8";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/73/b9/598f6ff36faaece4b3c50d26f50e38661499ff34346f00e057760b35cc9d/nvidia_cusparselt_cu12-0.7.1-py3-none-manylinux2014_aarch64.whl";
-          sha256 = "8878dce784d0fac90131b6817b607e803c36e629ba34dc5b433471382196b6a5";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/2a/a2/8cee5da30d13430e87bf99bb33455d2724d0a4a9cb5d7926d80ccb96d008/nvidia_nvjitlink_cu12-12.8.93-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "adccd7161ace7261e01bb91e44e88da350895c270d23f744f0820c818b7229e7";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/eb/d1/e50d0acaab360482034b84b6e27ee83c6738f7d32182b987f9c7a4e32962/nvidia_cuda_nvrtc_cu12-12.8.93-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "fc1fec1e1637854b4c0a65fb9a8346b51dd9ee69e61ebaccc82058441f15bce8";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/d5/1f/b3bd73445e5cb342727fd24fe1f7b748f690b460acadc27ea22f904502c8/nvidia_cuda_cupti_cu12-12.8.90-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "4412396548808ddfed3f17a467b104ba7751e6b58678a4b840675c56d21cf7ed";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/10/c0/1b303feea90d296f6176f32a2a70b5ef230f9bdeb3a72bddb0dc922dc137/nvidia_nvtx_cu12-12.8.90-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "d7ad891da111ebafbf7e015d34879f7112832fc239ff0d7d776b6cb685274615";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/1e/f5/5607710447a6fe9fd9b3283956fceeee8a06cda1d2f56ce31371f595db2a/nvidia_cufile_cu12-1.13.1.3-py3-none-manylinux_2_27_aarch64.whl";
-          sha256 = "4beb6d4cce47c1a0f1013d72e02b0994730359e17801d395bdcbf20cfb3bb00a";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/1d/6a/03aa43cc9bd3ad91553a88b5f6fb25ed6a3752ae86ce2180221962bc2aa5/nvidia_nvshmem_cu12-3.4.5-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "0b48363fc6964dede448029434c6abed6c5e37f823cb43c3bcde7ecfc0457e15";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/df/26/38b9f7d19a1d4bc7bc5988aa07c8c7ab8fb20f5a2d92018fd037eaff4eb7/nvidia_cuda_nvcc_cu12-12.8.93-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "2b35ada240938d19398119ca596faaf626ba5e729511be9715842a29d112926d";
-        }
-        {
-          url = "https://files.pythonhosted.org/packages/39/d2/2fa02b33ee4fe5fd26073b1c26f24d6b2490b030729dd2e89b63b617fe2d/nvidia_cuda_cccl_cu12-12.8.90-py3-none-manylinux2014_aarch64.manylinux_2_17_aarch64.whl";
-          sha256 = "1e4b0d0ea7577cc0ccef6ebf9639380d3d30869f0f774b020380d288a49273c2";
         }
       ];
       };

@@ -506,6 +506,20 @@ def test_the_production_libtorch_is_2_10_0_from_pytorchs_wheels_with_nixpkgs_too
     assert cu128["patchelf"] == f"{tool}patchelf/bin/patchelf"
 
 
+def test_on_aarch64_the_production_flake_has_the_cpu_wheel_and_refuses_cu128_naming_the_missing_pin(
+    env, production, nixpkgs
+):
+    common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
+    arm = f"{production}#legacyPackages.aarch64-linux.fdl"
+
+    cpu = nix_json(env, "eval", f"{arm}.libtorch.cpu", "--apply", "d: map (w: w.url) d.wheels", *common)
+    cu128 = nix(env, "eval", "--raw", f"{arm}.libtorch.cu128.drvPath", *common)
+
+    assert [url.rsplit("/", 1)[1] for url in cpu] == ["torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl"]
+    assert cu128.returncode != 0
+    assert "fdl-prepare flake: libtorch cu128 has no wheel pinned for aarch64-linux" in cu128.stderr
+
+
 def workspace(root: Path, *, features: str = "", lock: bool = True, extra: str = "") -> Path:
     """A floDl-shaped source: a workspace whose member crates/train depends
     on a sibling by path and inherits its version from the root."""
