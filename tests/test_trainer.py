@@ -96,7 +96,10 @@ def build(env: dict[str, str], flake: str, tree: Path, tmp: Path, *extra: str, *
         *overrides(env, tree, tmp / "recipe", **recipe),
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    libtorch, training = (entry["outputs"]["out"] for entry in json.loads(done.stdout))
+    # Nix orders the JSON by derivation path, not as asked.
+    paths = [entry["outputs"]["out"] for entry in json.loads(done.stdout)]
+    training = next(p for p in paths if "-fdl-test-training-" in p)
+    libtorch = next(p for p in paths if p != training)
     # The headers' output, which the build used and the runtime must not hold.
     dev = nix(env, "eval", "--raw", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.cpu.dev.outPath")
     assert dev.returncode == 0, dev.stderr
@@ -214,10 +217,9 @@ def test_a_second_attempt_with_nothing_changed_builds_and_downloads_nothing(env,
     )
 
     assert done.returncode == 0, done.stderr[-2000:]
-    assert [e["outputs"]["out"] for e in json.loads(done.stdout)] == [
-        built_example["libtorch"],
-        built_example["training"],
-    ]
+    assert sorted(e["outputs"]["out"] for e in json.loads(done.stdout)) == sorted(
+        [built_example["libtorch"], built_example["training"]]
+    )
     events = [json.loads(line[len("@nix ") :]) for line in done.stderr.splitlines() if line.startswith("@nix ")]
     assert [e for e in events if e.get("action") == "start" and e.get("type") in (101, 105)] == []
 
@@ -397,9 +399,20 @@ def built_cuda_example(env, torch_flake, tmp_path) -> dict[str, str]:
         )
         assert done.returncode == 0, done.stderr[-4000:]
         outputs = [entry["outputs"] for entry in json.loads(done.stdout)]
-        libtorch = next(o for o in outputs if "cuda" in o)
-        training = next(o["out"] for o in outputs if "cuda" not in o)
-        _BUILT_CUDA[torch_flake] = {**libtorch, "training": training}
+        training = next(o["out"] for o in outputs if "-fdl-test-training-" in o["out"])
+        libtorch = next(o for o in outputs if o["out"] != training)
+        # Only `out` is built by name; the other outputs from the evaluation.
+        more = nix(
+            env,
+            "eval",
+            "--json",
+            "--no-write-lock-file",
+            f"{torch_flake}#{FDL}.libtorch.cu128",
+            "--apply",
+            "d: { dev = d.dev.outPath; cuda = d.cuda.outPath; }",
+        )
+        assert more.returncode == 0, more.stderr
+        _BUILT_CUDA[torch_flake] = {**libtorch, **json.loads(more.stdout), "training": training}
     return _BUILT_CUDA[torch_flake]
 
 
