@@ -148,6 +148,18 @@ def kernel_archs(path: str) -> list[str]:
     return archs
 
 
+def check_archs(library: str, declared: list[str]) -> list[str]:
+    """The archs `library` carries kernels for, which must be the declared
+    ones: the runner decides coverage from the declaration alone."""
+    found = kernel_archs(library)
+    if found != declared:
+        fail(
+            f"libtorch_cuda.so carries kernels for {' '.join(found)}, and nix/wheels.nix declares "
+            f"{' '.join(declared)} for it: set `archs` to what the wheel carries"
+        )
+    return found
+
+
 def patch_rpaths(out: str, patchelf: str, driver_dir: str) -> None:
     """torch's libraries find the CUDA ones through $ORIGIN/../../nvidia/…
     (site-packages/torch/lib to site-packages/nvidia); here they sit in
@@ -226,14 +238,7 @@ def main() -> None:
         for header in ("cuda_runtime.h", "nccl.h", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h"):
             if not os.path.isfile(f"{cuda}/include/{header}"):
                 fail(f"no wheel brought {header}, which floDl's CUDA shim includes: add its nvidia wheel")
-        found = kernel_archs(f"{out}/lib/libtorch_cuda.so")
-        declared = env["archs"].split()
-        if found != declared:
-            fail(
-                f"libtorch_cuda.so carries kernels for {' '.join(found)}, and nix/wheels.nix declares "
-                f"{' '.join(declared)} for it: set `archs` to what the wheel carries"
-            )
-        archs = " ".join(found)
+        archs = " ".join(check_archs(f"{out}/lib/libtorch_cuda.so", env["archs"].split()))
         patch_rpaths(out, env["patchelf"], env["driverDir"])
         link_lib64(out, cuda)
 

@@ -479,3 +479,26 @@ def test_the_cuda_training_closure_holds_the_libraries_and_neither_headers_nor_c
 
     assert built_cuda_example["out"] in closure
     assert built_cuda_example["dev"] not in closure and built_cuda_example["cuda"] not in closure
+
+
+def test_the_archs_are_read_from_the_kernels_libtorch_cuda_carries_and_a_declaration_that_differs_fails(
+    built_cuda_example, capsys
+):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("libtorch_wheel", REPO / "nix" / "libtorch-wheel.py")
+    assert spec is not None and spec.loader is not None
+    wheel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wheel)
+    library = f"{built_cuda_example['out']}/lib/libtorch_cuda.so"
+    shipped = ["7.0", "7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
+
+    assert wheel.check_archs(library, shipped) == shipped
+    # What 2.7's CUDA 12.8 build had: no Volta. The build stops, naming both.
+    with pytest.raises(SystemExit) as stopped:
+        wheel.check_archs(library, shipped[1:])
+
+    assert stopped.value.code == 1
+    said = capsys.readouterr().err
+    assert "libtorch_cuda.so carries kernels for 7.0 7.5 8.0 8.6 9.0 10.0 12.0" in said
+    assert "nix/wheels.nix declares 7.5 8.0 8.6 9.0 10.0 12.0 for it" in said
