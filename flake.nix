@@ -11,8 +11,8 @@
     # Without it, every evaluation on a box re-fetches nixpkgs to lock it,
     # and a box without internet cannot evaluate at all.
     #
-    # libtorch is NOT taken as this nixpkgs ships it: nix/nixpkgs.nix pins
-    # its archives on top of nixpkgs' own libtorch-bin recipe, and says why.
+    # libtorch is NOT taken from this nixpkgs: it is PyTorch's wheels,
+    # pinned in nix/wheels.nix (nix/libtorch-wheel.nix).
     nixpkgs.url = "github:NixOS/nixpkgs/8fd9daa3db09ced9700431c5b7ad0e8ba199b575";
 
     # The training source tree and the directory holding recipe.json. Both
@@ -41,7 +41,13 @@
     let
       # The wiring uses builtins only: evaluating `fdl.variants` or
       # `fdl.contract` must not even fetch nixpkgs, let alone libtorch.
-      systems = [ "x86_64-linux" ];
+      # nix/wheels.nix pins cpu and cu128 for x86_64, cpu for aarch64 (a
+      # variant without a pin for the system fails when its libtorch is
+      # evaluated, saying so).
+      systems = [
+        "x86_64-linux"
+        "aarch64-linux"
+      ];
       forSystems =
         f:
         builtins.listToAttrs (
@@ -51,24 +57,10 @@
           }) systems
         );
 
-      # The unfree packages a CUDA training build needs, and no others: the
-      # CUDA runtime (headers and libcudart, CUDA_HOME) and what nixpkgs
-      # builds NCCL with (cuda_nvcc, cuda_cccl). libtorch-bin itself is
-      # BSD-3; a package not named here is still refused, by nixpkgs' own
-      # message.
-      unfree = [
-        "cuda_cudart"
-        "cuda_nvcc"
-        "cuda_cccl"
-      ];
-      # lib.getName, in builtins: reading nixpkgs' lib here would fetch it.
-      nameOf = pkg: pkg.pname or (builtins.parseDrvName pkg.name).name;
-      config.allowUnfreePredicate = pkg: builtins.elem (nameOf pkg) unfree;
-
       # One nixpkgs per system, shared by everything below: each
       # `import nixpkgs` is a new instantiation (seconds, and memory), and
       # Nix does not share them between calls.
-      pkgsBySystem = forSystems (system: import nixpkgs { inherit system config; });
+      pkgsBySystem = forSystems (system: import nixpkgs { inherit system; });
       pkgsFor = system: pkgsBySystem.${system};
 
       # A downstream flake's way to add a variant without touching this

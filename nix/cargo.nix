@@ -158,10 +158,28 @@ rec {
         )
     );
 
+  # Packages Cargo.lock fetches from git, as "name version (url)", the URL
+  # without any user or token in it. A git dependency has no hash in
+  # Cargo.lock that a fixed-output fetch could check, and fetching it at
+  # evaluation (builtins.fetchGit) would run git as root, with whatever
+  # credentials root has, against a URL the training source chose.
+  gitDependencies =
+    let
+      lock = fromTOML (readFile lockFile);
+      isGit = p: isString (p.source or null) && match "git\\+.*" p.source != null;
+      shown =
+        url:
+        let
+          parts = match "([a-z+]+://)([^/@]*@)?(.*)" url;
+        in
+        if parts == null then url else "${head parts}${builtins.elemAt parts 2}";
+    in
+    map (p: "${p.name} ${p.version} (${shown p.source})") (filter isGit (lock.package or [ ]));
+
   # Refuses, at evaluation, a source that asks for a newer Rust than
-  # `rustc` (the toolchain's version string). Features are the build
-  # line's business, as in floDl: `--features "$FDL_GPU_FEATURE"` where the
-  # publisher wrote it, the crate's own defaults where not. Returns true
+  # `rustc` (the toolchain's version string), and git dependencies. Features
+  # are the build line's business, as in floDl: `--features "$FDL_GPU_FEATURE"`
+  # where the publisher wrote it, the crate's own defaults where not. Returns true
   # otherwise.
   check =
     {
@@ -171,7 +189,9 @@ rec {
       rustVersion = field "rust-version";
       channel = toolchainChannel;
     in
-    if
+    if gitDependencies != [ ] then
+      fail "the training source's Cargo.lock has git dependencies: ${concatStringsSep ", " gitDependencies}; the flake fetches crates only by a hash Cargo.lock records, which a git dependency lacks: publish it to a registry, or vendor it into the source as a path dependency"
+    else if
       rustc != null && isString rustVersion && versionOk rustVersion && compareVersions rustc rustVersion < 0
     then
       fail "the crate ${quote pname} declares rust-version = ${quote rustVersion}, and this flake builds with rustc ${rustc}: lower rust-version, or point `flake` at a flake whose nixpkgs has a newer Rust"

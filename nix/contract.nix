@@ -10,7 +10,7 @@
 # a multi-gigabyte download.
 {
   system,
-  # { libtorch-bin; buildTraining; ... } (nix/nixpkgs.nix, tests/flake/toolchain.nix)
+  # { wheelTools; buildTraining; ... } (nix/nixpkgs.nix, tests/flake/toolchain.nix)
   toolchain,
   # the training source tree (flake = false input)
   source,
@@ -48,7 +48,7 @@ let
 
   quote = toJSON;
 
-  declared = import ./libtorch.nix toolchain // extraVariants toolchain;
+  declared = import ./libtorch.nix { inherit system toolchain; } // extraVariants toolchain;
 
   labels = concatStringsSep ", " (attrNames declared);
 

@@ -1,38 +1,34 @@
-# The libtorch variants a box can ask for, as a function of the toolchain.
+# The libtorch variants a box can ask for, as a function of the system and
+# the toolchain.
 #
-# Each variant is a plain attrset: `cuda` and `archs` are literals written here,
-# next to the derivation, and never read from it. That is the whole point of
-# the split: the runner refuses a variant that ships no kernel for an offered
-# card by *evaluating* `fdl.variants`, which must not instantiate, let alone
-# download, gigabytes of libtorch. Nix is lazy per attribute, so `package`
-# stays an unforced thunk while `cuda` and `archs` are read.
+# Each variant is a plain attrset: `cuda` and `archs` are literals from
+# nix/wheels.nix, next to the pins, and never read from a derivation. That is
+# the whole point of the split: the runner refuses a variant that ships no
+# kernel for an offered card by *evaluating* `fdl.variants`, which must not
+# instantiate, let alone download, gigabytes of libtorch. Nix is lazy per
+# attribute, so `package` stays an unforced thunk while `cuda` and `archs`
+# are read. The build itself checks `archs` against the kernels the wheel
+# carries (nix/libtorch-wheel.py), so the literal cannot drift from it.
 #
-# The toolchain only has to provide `libtorch-bin` shaped like nixpkgs' one
-# (a derivation with `out` and `dev` outputs and `.override { cudaSupport; }`).
-# The production flake passes nixpkgs' package; the test flake passes small
-# /bin/sh-built stand-ins with the same shape, so the labels and arch lists the
-# tests check are these very lines.
-{ libtorch-bin, ... }:
-{
-  cpu = {
-    cuda = null;
-    archs = [ ];
-    package = libtorch-bin;
+# The toolchain provides `wheelTools` (nix/libtorch-wheel.nix), and may
+# replace a variant's pin (`libtorchPins`: the test flake's CPU wheel, the one
+# its hosts can fetch) or its package (`libtorchStandIns`: the test flake's
+# small stand-ins), all read lazily, so the variants evaluate without
+# importing nixpkgs.
+{ system, toolchain }:
+let
+  wheel = import ./libtorch-wheel.nix {
+    inherit system;
+    tools = toolchain.wheelTools;
   };
-
-  # libtorch 2.7.0 + CUDA 12.8 as PyTorch builds it: kernels for these
-  # compute capabilities. Pascal (6.x) and Volta (7.0) are not among them; a
-  # fleet with such cards adds a cu126 variant (nix/CONTRACT.md, "Adding a
-  # variant") rather than finding out at the first kernel launch.
-  cu128 = {
-    cuda = "12.8";
-    archs = [ "7.5" "8.0" "8.6" "9.0" "10.0" "12.0" ];
-    package = libtorch-bin.override { cudaSupport = true; };
-  };
-
-  # No ROCm variant here: PyTorch publishes its libtorch ROCm archives
-  # without checksums, and a fixed-output derivation needs a hash taken from
-  # a source one can cite, not one computed from a download nobody vouches
-  # for. A fleet with AMD GPUs adds one as nix/CONTRACT.md ("Adding a
-  # variant") shows, with vendor = "amd", rocm and gfx.
-}
+  pins = builtins.mapAttrs (_: v: v // { version = v.version or wheel.pins.version; }) (
+    wheel.pins.variants // (toolchain.libtorchPins or { })
+  );
+  standIns = toolchain.libtorchStandIns or { };
+in
+# No cu126 and no ROCm variant: nix/wheels.nix and nix/CONTRACT.md ("Adding a
+# variant") say what each takes.
+builtins.mapAttrs (label: pin: {
+  inherit (pin) cuda archs;
+  package = standIns.${label} or (wheel.build label pin);
+}) pins

@@ -18,8 +18,10 @@
 {
   # nixpkgs' libtorch-bin shape: `out` (lib/) and `dev` (include/)
   libtorch,
-  # null (a CPU build) or { version; include; lib; nccl; }: store paths of
-  # the CUDA runtime's headers and libraries and of NCCL's libraries.
+  # null (a CPU build) or { version; include; lib; nccl; lib64 ? lib; }:
+  # store paths of the CUDA headers, of the runtime's and NCCL's libraries
+  # (the binary's RUNPATH), and of the directory with the link names
+  # (libcudart.so, libnccl.so) that becomes CUDA_HOME/lib64.
   cuda ? null,
 }:
 let
@@ -78,7 +80,7 @@ in
       ''
         mkdir -p "$fdl_roots/cuda"
         ln -sfn '${cuda.include}' "$fdl_roots/cuda/include"
-        ln -sfn '${cuda.lib}' "$fdl_roots/cuda/lib64"
+        ln -sfn '${cuda.lib64 or cuda.lib}' "$fdl_roots/cuda/lib64"
         export CUDA_HOME="$fdl_roots/cuda"
       ''
   );

@@ -9,8 +9,6 @@
   rustPlatform,
   rustc,
   autoAddDriverRunpath,
-  # CUDA version ("12.8") -> { cudaPackages; } of that version: nix/nixpkgs.nix.
-  cudaFor,
 }:
 {
   src,
@@ -25,16 +23,19 @@
 let
   crate = import ./cargo.nix { inherit src cwd; };
 
-  cudaPackages = if cuda == null then null else cudaFor cuda;
+  # A CUDA variant's libtorch (nix/libtorch-wheel.nix) brings its CUDA:
+  # the `cuda` output is a CUDA_HOME (every header floDl's shim includes,
+  # lib64/ with the link names), `out` holds the libraries the binary loads.
   cudaParts =
     if cuda == null then
       null
     else
       {
         version = cuda;
-        include = "${lib.getInclude cudaPackages.cuda_cudart}/include";
-        lib = "${lib.getLib cudaPackages.cuda_cudart}/lib";
-        nccl = "${lib.getLib cudaPackages.nccl}/lib";
+        include = "${libtorch.cuda}/include";
+        lib64 = "${libtorch.cuda}/lib64";
+        lib = "${libtorch.out}/nvidia/cuda_runtime/lib";
+        nccl = "${libtorch.out}/nvidia/nccl/lib";
       };
 
   env =
@@ -65,11 +66,10 @@ rustPlatform.buildRustPackage (
     # dependencies (`../flodl`) live beside it.
     inherit src;
 
-    # Git dependencies are fetched by the commit Cargo.lock names, so no
-    # per-repository hash table has to live in this flake.
+    # Every crate by the hash Cargo.lock records; a source with git
+    # dependencies is refused at evaluation (nix/cargo.nix).
     cargoLock = {
       inherit (crate) lockFile;
-      allowBuiltinFetchGit = true;
     };
 
     # The training code's own tests are the publisher's business, and they
@@ -118,13 +118,9 @@ rustPlatform.buildRustPackage (
   // lib.optionalAttrs lockInSubdir { cargoRoot = crate.lockDir; }
   // lib.optionalAttrs (env != null) { inherit (env) env; }
   // lib.optionalAttrs (cuda != null) {
-    # cudart and NCCL to link (and NCCL's headers, which floDl's shim
-    # includes); the driver directory on the RUNPATH after the build, where
-    # libcuda.so.1 and the libnvidia-ml.so.1 floDl dlopens are found.
-    buildInputs = [
-      cudaPackages.cuda_cudart
-      cudaPackages.nccl
-    ];
+    # The driver directory on the RUNPATH after the build, where
+    # libcuda.so.1 and the libnvidia-ml.so.1 floDl dlopens are found. The
+    # CUDA libraries themselves carry it already (nix/libtorch-wheel.py).
     nativeBuildInputs = [ autoAddDriverRunpath ];
   }
 )

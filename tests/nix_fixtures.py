@@ -310,6 +310,36 @@ def require_torch_wheel() -> str:
     return wheel
 
 
+def require_cuda_wheels() -> None:
+    """Skips unless every wheel of the cu128 libtorch (nix/wheels.nix) is in
+    the store: scripts/setup adds them where pip can get them (3.9 GB).
+    Nothing is fetched here: a multi-gigabyte download inside a test run is
+    the setup's business, not a test's."""
+    require_nix()
+    if os.uname().machine != "x86_64":
+        pytest.skip(f"the cu128 wheels the tests use are x86_64 ones; this machine is {os.uname().machine}")
+    done = subprocess.run(
+        [
+            "nix-instantiate",
+            "--eval",
+            "--strict",
+            "--json",
+            "--expr",
+            f"map (w: w.outPath) {_toolchain_expr('cudaWheels')}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    missing = [path for path in json.loads(done.stdout) if not valid_path(path)]
+    if missing:
+        pytest.skip(
+            f"{len(missing)} of the cu128 wheels are not in the Nix store (first: {missing[0]}): run scripts/setup "
+            "on a box whose pip can get torch==2.10.0 and its nvidia-*-cu12 wheels from PyPI"
+        )
+
+
 @pytest.fixture(scope="session")
 def torch_flake(tmp_path_factory: pytest.TempPathFactory) -> str:
     """`path:<dir>` of a flat copy of the test flake whose cpu variant is the

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "trainer"
 SYSTEM = {"x86_64": "x86_64-linux", "aarch64": "aarch64-linux"}.get(os.uname().machine, "x86_64-linux")
 FDL = f"legacyPackages.{SYSTEM}.fdl"
-CU128_ARCHS = ["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
+CU128_ARCHS = ["7.0", "7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
 ROCM64_GFX = ["gfx900", "gfx906", "gfx908", "gfx90a", "gfx942", "gfx1030", "gfx1100", "gfx1101", "gfx1102", "gfx1200"]
 ROCM64_GFX.append("gfx1201")
 ROCM70_GFX = [*ROCM64_GFX, "gfx950", "gfx1150", "gfx1151"]
@@ -475,17 +475,57 @@ def test_the_documented_downstream_flake_adds_a_variant_without_editing_this_rep
     assert checked["libtorch"] == "cu124"
 
 
-def test_the_production_libtorch_is_2_7_0_from_pytorchs_archives(env, production, nixpkgs):
-    apply = "d: { inherit (d) version cudaSupport; url = d.src.url; }"
+def test_the_production_libtorch_is_2_10_0_from_pytorchs_wheels_with_nixpkgs_tools(env, production, nixpkgs):
+    apply = (
+        "d: { inherit (d) name version label cudaVersion archs builder python patchelf outputs;"
+        " wheels = map (w: { inherit (w) url outputHash; }) d.wheels; }"
+    )
     common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
 
     cpu = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cpu", "--apply", apply, *common)
     cu128 = nix_json(env, "eval", f"{production}#{FDL}.libtorch.cu128", "--apply", apply, *common)
 
-    assert cpu["version"] == "2.7.0" and cpu["cudaSupport"] is False
-    assert cpu["url"].endswith("/cpu/libtorch-cxx11-abi-shared-with-deps-2.7.0%2Bcpu.zip")
-    assert cu128["version"] == "2.7.0" and cu128["cudaSupport"] is True
-    assert cu128["url"].endswith("/cu128/libtorch-cxx11-abi-shared-with-deps-2.7.0%2Bcu128.zip")
+    tool = "/nix/store/00000000000000000000000000000000-"
+    assert (cpu["name"], cpu["version"], cpu["cudaVersion"], cpu["archs"]) == (
+        "libtorch-2.10.0-cpu",
+        "2.10.0",
+        "none",
+        "",
+    )
+    assert [w["url"] for w in cpu["wheels"]] == [
+        "https://download.pytorch.org/whl/cpu/torch-2.10.0%2Bcpu-cp313-cp313-manylinux_2_28_x86_64.whl"
+    ]
+    assert cpu["outputs"] == ["out", "dev"] and cpu["patchelf"] == ""
+    assert (cu128["name"], cu128["cudaVersion"], cu128["archs"]) == (
+        "libtorch-2.10.0-cu128",
+        "12.8",
+        " ".join(CU128_ARCHS),
+    )
+    assert cu128["outputs"] == ["out", "dev", "cuda"]
+    # PyPI's torch 2.10.0 first, then its nvidia-*-cu12 wheels and the two
+    # header wheels floDl's shim needs, each by URL and sha256.
+    names = [w["url"].rsplit("/", 1)[1] for w in cu128["wheels"]]
+    assert names[0] == "torch-2.10.0-3-cp311-cp311-manylinux_2_28_x86_64.whl"
+    for wheel in ("cuda_runtime", "nccl", "cublas", "cusparse", "cusolver", "cuda_nvcc", "cuda_cccl"):
+        assert any(n.startswith(f"nvidia_{wheel}_cu12-") for n in names), wheel
+    assert all(len(w["outputHash"]) == 64 for w in cu128["wheels"])
+    # nixpkgs' bash, python3 and patchelf; no libtorch-bin, no cudaPackages.
+    assert cu128["builder"] == f"{tool}bash/bin/bash" and cu128["python"] == f"{tool}python3/bin/python3"
+    assert cu128["patchelf"] == f"{tool}patchelf/bin/patchelf"
+
+
+def test_on_aarch64_the_production_flake_has_the_cpu_wheel_and_refuses_cu128_naming_the_missing_pin(
+    env, production, nixpkgs
+):
+    common = ["--no-write-lock-file", "--override-input", "nixpkgs", nixpkgs]
+    arm = f"{production}#legacyPackages.aarch64-linux.fdl"
+
+    cpu = nix_json(env, "eval", f"{arm}.libtorch.cpu", "--apply", "d: map (w: w.url) d.wheels", *common)
+    cu128 = nix(env, "eval", "--raw", f"{arm}.libtorch.cu128.drvPath", *common)
+
+    assert [url.rsplit("/", 1)[1] for url in cpu] == ["torch-2.10.0-cp311-cp311-manylinux_2_28_aarch64.whl"]
+    assert cu128.returncode != 0
+    assert "fdl-prepare flake: libtorch cu128 has no wheel pinned for aarch64-linux" in cu128.stderr
 
 
 def workspace(root: Path, *, features: str = "", lock: bool = True, extra: str = "") -> Path:
@@ -588,17 +628,31 @@ def test_a_cuda_variants_training_build_carries_the_cuda_feature_cuda_home_nccl_
 
     training = production_training(env, production, nixpkgs, tmp_path, tree, libtorch="cu128", cwd="crates/train")
 
-    cudart = "/nix/store/00000000000000000000000000000000-cuda_cudart-12.8"
-    nccl = "/nix/store/00000000000000000000000000000000-nccl-12.8-out"
+    libtorch = nix_json(
+        env,
+        "eval",
+        f"{production}#{FDL}.libtorch.cu128",
+        "--apply",
+        "d: { out = d.out.outPath; cuda = d.cuda.outPath; dev = d.dev.outPath; }",
+        "--no-write-lock-file",
+        "--override-input",
+        "nixpkgs",
+        nixpkgs,
+    )
     # The vendor's feature is the build line's to use (floDl's build_env).
     assert training["features"] is None and training["env"]["FDL_GPU_FEATURE"] == "cuda"
-    # CUDA_HOME from the variant's own CUDA (cudaPackages_12_8), with the
-    # lib64/ flodl-sys links cudart from.
-    assert f"ln -sfn '{cudart}-include/include' \"$fdl_roots/cuda/include\"" in training["preBuild"]
-    assert f"ln -sfn '{cudart}-lib/lib' \"$fdl_roots/cuda/lib64\"" in training["preBuild"]
+    # CUDA_HOME is the wheels' libtorch's `cuda` output: every header floDl's
+    # shim includes, and the lib64/ with the link names flodl-sys links.
+    assert f"ln -sfn '{libtorch['cuda']}/include' \"$fdl_roots/cuda/include\"" in training["preBuild"]
+    assert f"ln -sfn '{libtorch['cuda']}/lib64' \"$fdl_roots/cuda/lib64\"" in training["preBuild"]
     assert 'export CUDA_HOME="$fdl_roots/cuda"' in training["preBuild"]
-    assert training["buildInputs"] == [f"{cudart}-out", nccl]
-    assert training["env"]["NIX_LDFLAGS"].split(" -rpath ")[1:] == [f"{cudart}-lib/lib", f"{nccl}/lib"]
+    assert training["buildInputs"] == []
+    # The binary loads libtorch, cudart and NCCL from `out`, never from the
+    # headers' outputs.
+    assert training["env"]["NIX_LDFLAGS"].split(" -rpath ")[1:] == [
+        f"{libtorch['out']}/nvidia/cuda_runtime/lib",
+        f"{libtorch['out']}/nvidia/nccl/lib",
+    ]
     # The driver directory, where libcuda.so.1 and libnvidia-ml.so.1 are.
     assert training["nativeBuildInputs"] == ["/nix/store/00000000000000000000000000000000-auto-add-driver-runpath-hook"]
 
@@ -650,34 +704,15 @@ def test_a_bin_leading_out_of_the_source_is_refused_at_evaluation(env, productio
     assert 'recipe.json `bin` = "../../../train" must be a path relative to `cwd` that stays inside' in stderr
 
 
-def test_the_production_flake_allows_exactly_the_unfree_cuda_packages_a_cuda_build_needs(
-    env, production, nixpkgs, tmp_path
-):
+def test_the_production_flake_asks_nixpkgs_for_no_unfree_package(env, production, nixpkgs, tmp_path):
+    # CUDA comes from PyTorch's wheels, not nixpkgs' unfree CUDA packages.
     tree = workspace(tmp_path / "source")
     recipe = write_recipe(tmp_path / "recipe", libtorch="cpu", cwd="crates/train", bin="train")
     common = ["--override-input", "nixpkgs", nixpkgs, *overrides(prefetch(env, tree), recipe)]
-    asked = ["cuda_cudart", "cuda_nvcc", "cuda_cccl", "cudnn", "libcublas", "cuda_nvrtc"]
 
-    allowed = nix_json(
-        env,
-        "eval",
-        f"{production}#{FDL}.training",
-        "--apply",
-        't: map (n: t.nixpkgsConfig.allowUnfreePredicate { pname = n; name = n + "-12.8"; }) '
-        + "[ "
-        + " ".join(json.dumps(n) for n in asked)
-        + " ]",
-        *common,
-    )
+    config = nix_json(env, "eval", f"{production}#{FDL}.training", "--apply", "t: t.nixpkgsConfig", *common)
 
-    assert dict(zip(asked, allowed, strict=True)) == {
-        "cuda_cudart": True,
-        "cuda_nvcc": True,
-        "cuda_cccl": True,
-        "cudnn": False,
-        "libcublas": False,
-        "cuda_nvrtc": False,
-    }
+    assert config == {}
 
 
 def test_the_production_flake_instantiates_nixpkgs_once_per_system(env, production, nixpkgs):
@@ -723,6 +758,13 @@ def test_the_production_flake_instantiates_nixpkgs_once_per_system(env, producti
             id="toolchain-file-too-new",
         ),
         pytest.param(
+            "git-dependency",
+            {"libtorch": "cpu", "cwd": "crates/train"},
+            "Cargo.lock has git dependencies: tok 0.2.0 (git+https://example.com/tok.git?rev=abc#abcdef); "
+            "the flake fetches crates only by a hash",
+            id="git-dependency",
+        ),
+        pytest.param(
             "no-manifest",
             {"libtorch": "cpu", "cwd": "crates"},
             'has no Cargo.toml in `cwd` = "crates"',
@@ -740,10 +782,17 @@ def test_a_source_the_production_build_cannot_take_is_refused_at_evaluation_with
     )
     if change == "toolchain-file":
         (tree / "rust-toolchain.toml").write_text('[toolchain]\nchannel = "1.99.0"\n')
+    if change == "git-dependency":
+        # A token in the URL stays out of the message.
+        (tree / "Cargo.lock").write_text(
+            'version = 3\n[[package]]\nname = "tok"\nversion = "0.2.0"\n'
+            'source = "git+https://user:s3cret@example.com/tok.git?rev=abc#abcdef"\n'
+        )
 
     stderr = production_refusal(env, production, nixpkgs, tmp_path, tree, **recipe)
 
     assert "fdl-prepare flake: " in stderr and says in stderr, stderr
+    assert "s3cret" not in stderr
 
 
 def test_the_production_training_build_does_not_see_the_run_manifest(env, production, nixpkgs, tmp_path):

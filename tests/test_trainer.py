@@ -93,7 +93,10 @@ def build(env: dict[str, str], flake: str, tree: Path, tmp: Path, *extra: str, *
         *overrides(env, tree, tmp / "recipe", **recipe),
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    libtorch, training = (entry["outputs"]["out"] for entry in json.loads(done.stdout))
+    # Nix orders the JSON by derivation path, not as asked.
+    paths = [entry["outputs"]["out"] for entry in json.loads(done.stdout)]
+    training = next(p for p in paths if "-fdl-test-training-" in p)
+    libtorch = next(p for p in paths if p != training)
     # The headers' output, which the build used and the runtime must not hold.
     dev = nix(env, "eval", "--raw", "--no-write-lock-file", f"{flake}#{FDL}.libtorch.cpu.dev.outPath")
     assert dev.returncode == 0, dev.stderr
@@ -211,10 +214,9 @@ def test_a_second_attempt_with_nothing_changed_builds_and_downloads_nothing(env,
     )
 
     assert done.returncode == 0, done.stderr[-2000:]
-    assert [e["outputs"]["out"] for e in json.loads(done.stdout)] == [
-        built_example["libtorch"],
-        built_example["training"],
-    ]
+    assert sorted(e["outputs"]["out"] for e in json.loads(done.stdout)) == sorted(
+        [built_example["libtorch"], built_example["training"]]
+    )
     events = [json.loads(line[len("@nix ") :]) for line in done.stderr.splitlines() if line.startswith("@nix ")]
     assert [e for e in events if e.get("action") == "start" and e.get("type") in (101, 105)] == []
 
@@ -428,3 +430,145 @@ def test_a_source_without_cargo_lock_is_transient_the_sources_reason_before_anyt
     assert failed.value.reason == "source.no-cargo-lock" and not failed.value.permanent
     assert "and no Cargo.lock there or in any directory above it" in failed.value.message
     assert "The publisher commits Cargo.lock" in failed.value.message
+
+
+# --- the CUDA build -------------------------------------------------------------------------
+
+
+def needed(binary: str) -> list[str]:
+    dynamic = subprocess.run(["readelf", "-d", binary], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", dynamic)
+
+
+_BUILT_CUDA: dict[str, dict[str, str]] = {}
+
+
+@pytest.fixture
+def built_cuda_example(env, torch_flake, tmp_path) -> dict[str, str]:
+    """The example trainer with its `cuda` feature, built by the test flake
+    exactly as the production flake builds a floDl crate for a CUDA variant:
+    against the cu128 libtorch from PyTorch's wheels (nix/libtorch-wheel.nix),
+    CUDA_HOME its `cuda` output. Built once per session."""
+    from nix_fixtures import require_cuda_wheels
+
+    require_cuda_wheels()
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf (binutils) is not installed")
+    if torch_flake not in _BUILT_CUDA:
+        tree = example_copy(tmp_path / "example")
+        recipe = {**example_recipe(), "libtorch": "cu128"}
+        done = nix(
+            env,
+            "build",
+            "--json",
+            "--no-link",
+            f"{torch_flake}#{FDL}.libtorch.cu128",
+            f"{torch_flake}#{FDL}.training",
+            *overrides(env, tree, tmp_path / "recipe", **recipe),
+            timeout=3600,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        outputs = [entry["outputs"] for entry in json.loads(done.stdout)]
+        training = next(o["out"] for o in outputs if "-fdl-test-training-" in o["out"])
+        libtorch = next(o for o in outputs if o["out"] != training)
+        # Only `out` is built by name; the other outputs from the evaluation.
+        more = nix(
+            env,
+            "eval",
+            "--json",
+            "--no-write-lock-file",
+            f"{torch_flake}#{FDL}.libtorch.cu128",
+            "--apply",
+            "d: { dev = d.dev.outPath; cuda = d.cuda.outPath; }",
+        )
+        assert more.returncode == 0, more.stderr
+        _BUILT_CUDA[torch_flake] = {**libtorch, **json.loads(more.stdout), "training": training}
+    return _BUILT_CUDA[torch_flake]
+
+
+def test_a_cuda_build_links_torch_cuda_cudart_and_nccl_and_trains_on_the_cpu_saying_cuda_is_unavailable(
+    built_cuda_example,
+):
+    binary = f"{built_cuda_example['training']}/bin/train"
+    out = built_cuda_example["out"]
+
+    ran = smoke(binary)
+
+    assert ran.returncode == 0, ran.stderr
+    # No driver here: CUDA is simply unavailable, and the step runs on the
+    # CPU. scripts/gpu-check runs this test on a GPU box, where the binary
+    # must see the cards through the driver directory instead.
+    seen = "\\d+ CUDA device\\(s\\)" if os.environ.get("FDL_GPU_CHECK") == "1" else "CUDA unavailable"
+    assert re.search(rf"CUDA runtime 12\.8, NCCL \d+, {seen}", ran.stdout), ran.stdout
+    before, after = map(float, LOSS.search(ran.stdout).groups())  # type: ignore[union-attr]
+    assert after < before and "with libtorch 2.10.0" in ran.stdout
+    # What flodl-sys links under `cuda`, each found through the RUNPATH alone,
+    # which ends at the driver directory (libcuda.so.1, libnvidia-ml.so.1).
+    assert {"libtorch_cuda.so", "libc10_cuda.so", "libcudart.so.12", "libnccl.so.2"} <= set(needed(binary))
+    assert runpath(binary) == [
+        f"{out}/lib",
+        f"{out}/nvidia/cuda_runtime/lib",
+        f"{out}/nvidia/nccl/lib",
+        "/run/opengl-driver/lib",
+    ]
+
+
+def test_the_cuda_libtorch_is_flodl_shaped_its_archs_read_from_the_wheel_and_its_libraries_reach_the_driver(
+    built_cuda_example,
+):
+    out, dev, cuda = (Path(built_cuda_example[k]) for k in ("out", "dev", "cuda"))
+
+    assert (out / "build-version").read_text() == "2.10.0+cu128\n"
+    # floDl's .arch, the archs the build read from libtorch_cuda.so's
+    # fatbinary and checked against nix/wheels.nix.
+    assert (out / ".arch").read_text() == (
+        "cuda=12.8\ntorch=2.10.0\narchs=7.0 7.5 8.0 8.6 9.0 10.0 12.0\nsource=precompiled\nvariant=cu128\n"
+    )
+    # CUDA_HOME: every header floDl's shim includes, in one include/.
+    for header in ("cuda_runtime.h", "nccl.h", "cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h"):
+        assert (cuda / "include" / header).is_file(), header
+    assert (cuda / "include" / "crt" / "host_config.h").is_file()
+    assert (dev / "include" / "ATen" / "cuda" / "CUDAGraph.h").is_file()
+    # lib64/: link names and sonames, pointing into `out`.
+    for name in ("libcudart.so", "libcudart.so.12", "libnccl.so", "libnccl.so.2"):
+        assert os.path.realpath(cuda / "lib64" / name).startswith(f"{out}/nvidia/"), name
+    # The CUDA libraries dlopen libcuda.so.1 through their own RPATH.
+    for library in (out / "nvidia" / "cuda_runtime" / "lib" / "libcudart.so.12", out / "lib" / "libc10_cuda.so"):
+        assert "/run/opengl-driver/lib" in runpath(str(library))
+    assert "$ORIGIN/../nvidia/cublas/lib" in runpath(str(out / "lib" / "libtorch_cuda.so"))
+
+
+def test_the_cuda_training_closure_holds_the_libraries_and_neither_headers_nor_cuda_home(built_cuda_example):
+    closure = subprocess.run(
+        ["nix-store", "-qR", built_cuda_example["training"]],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
+    ).stdout.split()
+
+    assert built_cuda_example["out"] in closure
+    assert built_cuda_example["dev"] not in closure and built_cuda_example["cuda"] not in closure
+
+
+def test_the_archs_are_read_from_the_kernels_libtorch_cuda_carries_and_a_declaration_that_differs_fails(
+    built_cuda_example, capsys
+):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("libtorch_wheel", REPO / "nix" / "libtorch-wheel.py")
+    assert spec is not None and spec.loader is not None
+    wheel = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wheel)
+    library = f"{built_cuda_example['out']}/lib/libtorch_cuda.so"
+    shipped = ["7.0", "7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
+
+    assert wheel.check_archs(library, shipped) == shipped
+    # What 2.7's CUDA 12.8 build had: no Volta. The build stops, naming both.
+    with pytest.raises(SystemExit) as stopped:
+        wheel.check_archs(library, shipped[1:])
+
+    assert stopped.value.code == 1
+    said = capsys.readouterr().err
+    assert "libtorch_cuda.so carries kernels for 7.0 7.5 8.0 8.6 9.0 10.0 12.0" in said
+    assert "nix/wheels.nix declares 7.5 8.0 8.6 9.0 10.0 12.0 for it" in said

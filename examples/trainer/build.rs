@@ -8,6 +8,9 @@
 //   after a minute of C++ errors;
 // - a C++17 shim is compiled against include/ and
 //   include/torch/csrc/api/include, and torch, torch_cpu and c10 are linked;
+// - under the `cuda` feature: FLODL_BUILD_CUDA defined, $CUDA_HOME/include
+//   added, torch_cuda, c10_cuda, cudart (from $CUDA_HOME/lib64), dl and nccl
+//   linked;
 // - no rpath is emitted: whoever builds the binary decides where it finds
 //   libtorch at run time (the flake: libtorch's lib/ in the store).
 //
@@ -23,6 +26,11 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH_PATH");
     println!("cargo:rerun-if-env-changed=CXX");
     println!("cargo:rerun-if-changed=shim/shim.cpp");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    // As flodl-sys under its `cuda` feature: CUDA_HOME (default
+    // /usr/local/cuda) gives include/ to the compile and lib64/ to the link.
+    let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
+    let cuda_home = PathBuf::from(env::var("CUDA_HOME").unwrap_or_else(|_| "/usr/local/cuda".to_string()));
 
     let root = PathBuf::from(env::var("LIBTORCH_PATH").unwrap_or_else(|_| "/usr/local/libtorch".to_string()));
     let header = root.join("include/torch/csrc/api/include/torch/torch.h");
@@ -41,13 +49,18 @@ fn main() {
     let cxx = env::var("CXX").unwrap_or_else(|_| "c++".to_string());
     let include = root.join("include");
     let api = root.join("include/torch/csrc/api/include");
-    run(Command::new(&cxx)
+    let mut compile = Command::new(&cxx);
+    compile
         .args(["-std=c++17", "-O2", "-fPIC", "-w", "-c", "shim/shim.cpp", "-o"])
         .arg(&object)
         .arg("-I")
         .arg(&include)
         .arg("-I")
-        .arg(&api));
+        .arg(&api);
+    if cuda {
+        compile.arg("-DFLODL_BUILD_CUDA=1").arg("-I").arg(cuda_home.join("include"));
+    }
+    run(&mut compile);
 
     let archive = out.join("libexample_shim.a");
     let _ = std::fs::remove_file(&archive);
@@ -59,6 +72,14 @@ fn main() {
     println!("cargo:rustc-link-lib=dylib=torch");
     println!("cargo:rustc-link-lib=dylib=torch_cpu");
     println!("cargo:rustc-link-lib=dylib=c10");
+    if cuda {
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        println!("cargo:rustc-link-search=native={}", cuda_home.join("lib64").display());
+        println!("cargo:rustc-link-lib=dylib=cudart");
+        println!("cargo:rustc-link-lib=dylib=dl");
+        println!("cargo:rustc-link-lib=dylib=nccl");
+    }
     // The shim is C++: its runtime comes last, after everything that needs it.
     println!("cargo:rustc-link-lib=dylib=stdc++");
 }

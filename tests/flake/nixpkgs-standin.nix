@@ -4,11 +4,10 @@
 # one-line flake.nix, and passes that as `--override-input nixpkgs path:…`.
 #
 # `lib` is nixpkgs' own; the packages are the least that records what the
-# production code asks of them: libtorch-bin keeps its version, src and
-# cudaSupport where a test can read them, buildRustPackage and
-# buildPythonApplication hand back their arguments, the CUDA packages are
-# store paths named after what they stand for, and the `config` the flake
-# instantiated nixpkgs with is kept. Nothing here builds.
+# production code asks of them: the tools libtorch's wheels are unpacked with
+# are store paths named after what they stand for, buildRustPackage and
+# buildPythonApplication hand back their arguments, and the `config` the
+# flake instantiated nixpkgs with is kept. Nothing here builds.
 {
   system,
   config ? { },
@@ -19,64 +18,6 @@ let
 
   tool = name: { outPath = "/nix/store/00000000000000000000000000000000-${name}"; };
 
-  # A package with nixpkgs' split outputs (`include`, `lib`, ...), each its
-  # own store path.
-  split =
-    pname: version: outputs:
-    let
-      path = output: "/nix/store/00000000000000000000000000000000-${pname}-${version}-${output}";
-      self =
-        {
-          inherit pname version outputs;
-          name = "${pname}-${version}";
-          outPath = path "out";
-        }
-        // builtins.listToAttrs (
-          map (output: {
-            name = output;
-            value = self // {
-              outPath = path output;
-              outputSpecified = true;
-            };
-          }) outputs
-        );
-    in
-    self;
-
-  cudaPackagesOf = version: {
-    cuda_cudart = split "cuda_cudart" version [
-      "out"
-      "include"
-      "lib"
-      "dev"
-    ];
-    nccl = split "nccl" version [
-      "out"
-      "dev"
-    ];
-  };
-
-  mkLibtorch =
-    attrs:
-    derivation {
-      name = "libtorch-${attrs.version}-${if attrs.cudaSupport then "cuda" else "cpu"}";
-      inherit system;
-      builder = "/bin/sh";
-      args = [
-        "-c"
-        "exit 1"
-      ];
-      outputs = [
-        "out"
-        "dev"
-      ];
-    }
-    // {
-      inherit (attrs) version src cudaSupport;
-      override = args: mkLibtorch (attrs // args);
-      overrideAttrs = f: mkLibtorch (attrs // f attrs);
-    };
-
   pkgs = {
     inherit lib system config;
 
@@ -85,16 +26,16 @@ let
       outPath = "/nix/store/00000000000000000000000000000000-rustc-1.91.1";
     };
     autoAddDriverRunpath = tool "auto-add-driver-runpath-hook";
-    cudaPackages_12_6 = cudaPackagesOf "12.6";
-    cudaPackages_12_8 = cudaPackagesOf "12.8";
-
-    fetchzip = args: args // { fetcher = "fetchzip"; };
-
-    libtorch-bin = mkLibtorch {
-      version = "2.5.0";
-      src = "nixpkgs' own archive";
-      cudaSupport = false;
+    # What nix/libtorch-wheel.nix builds with, in production.
+    bash = tool "bash";
+    python3 = tool "python3" // {
+      withPackages = f: {
+        pythonWith = map (p: p.outPath) (f pkgs.python3Packages);
+        outPath = "/nix/store/00000000000000000000000000000000-python3-env";
+      };
     };
+    patchelf = tool "patchelf";
+    coreutils = tool "coreutils";
 
     rustPlatform.buildRustPackage =
       args:
@@ -121,10 +62,6 @@ let
       pytest = tool "pytest";
     };
 
-    python3.withPackages = f: {
-      pythonWith = map (p: p.outPath) (f pkgs.python3Packages);
-      outPath = "/nix/store/00000000000000000000000000000000-python3-env";
-    };
     ruff = tool "ruff";
     nixfmt-rfc-style = tool "nixfmt";
     runCommand = name: attrs: script: attrs // { inherit name script; builtWith = "runCommand"; };

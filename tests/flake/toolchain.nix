@@ -59,79 +59,39 @@ let
       override = args: mkLibtorch ({ inherit cudaSupport; } // args);
     };
 
-  # PyTorch's CPU wheel: a complete libtorch (torch/lib, torch/include,
-  # torch/share/cmake). Fetched by URL and hash with Nix's built-in fetcher,
-  # which needs no nixpkgs and runs outside any sandbox. `nix-store
-  # --add-fixed sha256 <the file>` gives the very same store path (the name
-  # is the file's), which is how scripts/setup seeds a store from pip
-  # without Nix touching the network.
-  torchWheel = derivation {
-    name = "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl";
-    builder = "builtin:fetchurl";
-    system = "builtin";
-    url = "https://download.pytorch.org/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl";
-    outputHashMode = "flat";
-    outputHashAlgo = "sha256";
-    outputHash = "6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b";
-    preferLocalBuild = true;
+  # The real libtorch, from PyTorch's wheels by nix/libtorch-wheel.nix, the
+  # production flake's own derivation, with the host's tools by path.
+  # python3 -I -S: the host's interpreter without site-packages or /etc, the
+  # same in and out of a sandbox; patchelf (scripts/setup installs it) only
+  # for a CUDA variant, whose libraries are re-pointed at their layout in the
+  # store and at the driver directory.
+  wheelTools = {
+    inherit sh;
+    python = "/usr/bin/python3";
+    patchelf = "/usr/bin/patchelf";
+    path = hostPath;
+  };
+  wheels = import (nixDir + "/libtorch-wheel.nix") {
+    inherit system;
+    tools = wheelTools;
   };
 
-  # The wheel unpacked into libtorch-bin's shape: `out` holds lib/ (the
-  # shared libraries, all a binary loads), `dev` holds include/ and
-  # share/cmake, the CMake files' library paths pointed at `out` as nixpkgs'
-  # libtorch-bin does (its installPhase rewrites ${TORCH_INSTALL_PREFIX}/lib
-  # and ${_IMPORT_PREFIX}/lib). python3 -I -S: the host's interpreter
-  # without site-packages or /etc, the same in and out of a sandbox.
-  unpackWheel = ''
-    import os, shutil, sys, zipfile
-    wheel, out, dev = sys.argv[1:4]
-    places = (("torch/include/", dev + "/include/"), ("torch/share/cmake/", dev + "/share/cmake/"))
-    with zipfile.ZipFile(wheel) as z:
-        for info in z.infolist():
-            name = info.filename
-            if name.endswith("/"):
-                continue
-            if name.startswith("torch/lib/") and "/" not in name[10:] and ".so" in name:
-                dest = out + "/lib/" + name[10:]
-            else:
-                dest = next((to + name[len(prefix):] for prefix, to in places if name.startswith(prefix)), None)
-                if dest is None:
-                    continue
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with z.open(info) as src, open(dest, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            if dest.startswith(out + "/lib/"):
-                os.chmod(dest, 0o555)
-  '';
-
-  realLibtorch = derivation {
-    name = "fdl-test-libtorch-2.13.0-cpu";
-    inherit system unpackWheel;
-    wheel = torchWheel;
-    builder = sh;
-    args = [
-      "-c"
-      ''
-        set -eu
-        /usr/bin/python3 -I -S -c "$unpackWheel" "$wheel" "$out" "$dev"
-        [ -f "$dev/include/torch/csrc/api/include/torch/torch.h" ] && [ -f "$out/lib/libtorch_cpu.so" ] || {
-          echo "fdl-prepare test flake: $wheel holds no libtorch (torch/include, torch/lib)" >&2
-          exit 1
-        }
-        /usr/bin/sed -i "s|\''${TORCH_INSTALL_PREFIX}/lib|$out/lib|g" "$dev/share/cmake/Torch/TorchConfig.cmake"
-        /usr/bin/sed -i "s|\''${_IMPORT_PREFIX}/lib|$out/lib|g" "$dev/share/cmake/Caffe2/Caffe2Targets-release.cmake"
-      ''
+  # The cpu variant is PyTorch's 2.13.0 CPU wheel rather than the production
+  # flake's 2.10.0 one: it is the CPU wheel these hosts' pip can get
+  # (scripts/setup), and its hash is the one pip checked. The cu128 variant
+  # is the production pin itself (nix/wheels.nix).
+  cpuPin = {
+    version = "2.13.0";
+    cuda = null;
+    archs = [ ];
+    wheels.x86_64-linux = [
+      {
+        url = "https://download.pytorch.org/whl/cpu/torch-2.13.0%2Bcpu-cp311-cp311-manylinux_2_28_x86_64.whl";
+        sha256 = "6746dbcbeb526eb61330b76b41ff1b4eb848951103a892eeb080dfa2b264667b";
+      }
     ];
-    outputs = [
-      "out"
-      "dev"
-    ];
-    PATH = hostPath;
-  }
-  // {
-    # The CUDA variants stay stand-ins: there is no CUDA here to run them.
-    override = args: if args.cudaSupport or false then mkLibtorch args else realLibtorch;
   };
+  torchWheel = wheels.fetchWheel (builtins.head cpuPin.wheels.x86_64-linux);
 
   # A CUDA toolkit stand-in with the shape the production flake gives
   # CUDA_HOME's parts: headers, the runtime's lib/ and NCCL's lib/.
@@ -160,6 +120,18 @@ let
       include = "${drv}/include";
       lib = "${drv}/lib";
       nccl = "${drv}/nccl/lib";
+    };
+
+  # A real CUDA variant's parts: CUDA_HOME is the libtorch's `cuda` output,
+  # the libraries the binary loads are in its `out`.
+  cudaOf =
+    version: libtorch:
+    {
+      inherit version;
+      include = "${libtorch.cuda}/include";
+      lib64 = "${libtorch.cuda}/lib64";
+      lib = "${libtorch.out}/nvidia/cuda_runtime/lib";
+      nccl = "${libtorch.out}/nvidia/nccl/lib";
     };
 
   # nixpkgs' ld-wrapper hands $NIX_LDFLAGS to every link; the host's cc does
@@ -210,8 +182,19 @@ let
   '';
 in
 {
-  libtorch-bin = if standInCpu then mkLibtorch { } else realLibtorch;
-  inherit mkLibtorch torchWheel;
+  inherit wheelTools mkLibtorch torchWheel;
+  libtorchPins.cpu = cpuPin;
+  # With a stand-in.nix, every shipped variant is a /bin/sh stand-in.
+  libtorchStandIns =
+    if standInCpu then
+      {
+        cpu = mkLibtorch { };
+        cu128 = mkLibtorch { cudaSupport = true; };
+      }
+    else
+      { };
+  # The cu128 wheels, for the fixtures that check the store holds them.
+  cudaWheels = map wheels.fetchWheel wheels.pins.variants.cu128.wheels.x86_64-linux;
 
   # The recipe's build line (a test steers success, failure (exit 3), a
   # hang (sleep) or a change through the source tree alone), or without
@@ -232,7 +215,13 @@ in
     }:
     let
       crate = import (nixDir + "/cargo.nix") { inherit src cwd; };
-      cudaParts = if cuda == null then null else cudaStandIn cuda;
+      cudaParts =
+        if cuda == null then
+          null
+        else if libtorch ? cuda then
+          cudaOf cuda libtorch
+        else
+          cudaStandIn cuda;
       env =
         if libtorch == null then
           null

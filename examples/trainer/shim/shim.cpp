@@ -6,6 +6,17 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
+#ifdef FLODL_BUILD_CUDA
+// What floDl's ops_cuda.cpp includes under its `cuda` feature; through
+// ATen/cuda/CUDAContextLight.h they need cuBLAS, cuBLASLt, cuSPARSE and
+// cuSOLVER's headers too, all from $CUDA_HOME/include.
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -95,5 +106,39 @@ int example_step(void* model, const float* x, const float* y, int64_t rows, int6
 }
 
 void example_message_free(char* message) { std::free(message); }
+
+// The CUDA build's view of the box, in one line: what the runtime and NCCL
+// it links say, and whether libtorch sees a device. Without a driver (or a
+// card) CUDA is simply unavailable, and training runs on the CPU.
+const char* example_cuda_status() {
+#ifdef FLODL_BUILD_CUDA
+    static std::string status;
+    try {
+        int runtime = 0;
+        cudaRuntimeGetVersion(&runtime);
+        int nccl = 0;
+        ncclGetVersion(&nccl);
+        const bool available = torch::cuda::is_available();
+        status = "CUDA runtime " + std::to_string(runtime / 1000) + "." + std::to_string((runtime % 1000) / 10) +
+                 ", NCCL " + std::to_string(nccl) + ", " +
+                 (available ? std::to_string(torch::cuda::device_count()) + " CUDA device(s)"
+                            : std::string("CUDA unavailable"));
+        if (available) {
+            // A stream, an event and a graph on device 0: the headers above
+            // in use, and libtorch_cuda linked, not dropped as unneeded.
+            auto stream = c10::cuda::getCurrentCUDAStream(0);
+            at::cuda::CUDAEvent event;
+            event.record(stream);
+            event.synchronize();
+            at::cuda::CUDAGraph graph;
+        }
+    } catch (const std::exception& e) {
+        status = std::string("CUDA check failed: ") + e.what();
+    }
+    return status.c_str();
+#else
+    return "built without CUDA";
+#endif
+}
 
 }  // extern "C"

@@ -21,6 +21,7 @@ use std::process::exit;
 
 extern "C" {
     fn example_torch_version() -> *const c_char;
+    fn example_cuda_status() -> *const c_char;
     fn example_model_new(inputs: i64, hidden: i64, lr: f64, seed: u64, error: *mut *mut c_char) -> *mut u8;
     fn example_model_free(model: *mut u8);
     fn example_loss(
@@ -217,7 +218,15 @@ fn read_dataset(root: &Path) -> Result<Data, String> {
     Ok(data)
 }
 
+fn cuda_status() -> String {
+    unsafe { CStr::from_ptr(example_cuda_status()) }.to_string_lossy().into_owned()
+}
+
 fn smoke() -> Result<(), String> {
+    // The CUDA build says what it sees before training on the CPU.
+    if cfg!(feature = "cuda") {
+        println!("example trainer: {}", cuda_status());
+    }
     let data = synthetic(64, 7);
     let model = Model::new(data.inputs, 7)?;
     let before = model.step(&data.x, &data.y)?;
