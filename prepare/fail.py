@@ -98,6 +98,7 @@ Reason = Literal[
     "source.host-key",
     "source.rsync-missing",
     "source.no-cargo-lock",
+    "source.git-dependency",
     "source.unsupported-file",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
@@ -313,6 +314,10 @@ REASONS: dict[Reason, Row] = {
         PERMANENT, "an `rsync://` source's host has a host key ssh does not know or one other than known_hosts holds"
     ),
     "source.rsync-missing": Row(PERMANENT, "a `file://` or `rsync://` source needs rsync, which is not installed"),
+    "source.git-dependency": Row(
+        TRANSIENT,
+        "the training source's Cargo.lock has git dependencies, which a box cannot fetch by a hash: the publisher publishes or vendors them and publishes again",
+    ),
     "source.no-cargo-lock": Row(
         TRANSIENT, "the training source is a cargo project without Cargo.lock: the publisher commits it and publishes"
     ),

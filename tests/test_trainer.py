@@ -432,6 +432,45 @@ def test_a_source_without_cargo_lock_is_transient_the_sources_reason_before_anyt
     assert "The publisher commits Cargo.lock" in failed.value.message
 
 
+def test_a_source_whose_cargo_lock_has_a_git_dependency_is_transient_the_sources_reason_naming_the_crate(
+    nix_env, test_flake, state_dir, git_source, monkeypatch, tmp_path
+):
+    from nix_fixtures import MANIFEST, manifest_text
+
+    from prepare.fail import Fail
+    from prepare.pipeline import prepare
+    from prepare.spec import PrepareSpec, SourceSpec
+
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    lock = (
+        "version = 3\n\n"
+        '[[package]]\nname = "trainer"\nversion = "0.1.0"\ndependencies = ["tch-fork"]\n\n'
+        '[[package]]\nname = "tch-fork"\nversion = "0.9.0"\n'
+        'source = "git+https://deploy:s3cr3t-token@git.example/tch.git?branch=main#0123456789abcdef"\n'
+    )
+    source = git_source(
+        {
+            "Cargo.toml": '[package]\nname = "trainer"\nversion = "0.1.0"\n',
+            "Cargo.lock": lock,
+            MANIFEST: manifest_text(bin="train"),
+        }
+    )
+    spec = PrepareSpec(
+        source=SourceSpec(from_=source.url), flake=test_flake, state_dir=state_dir, libtorch="cpu", cpu_only=True
+    )
+    events: list[dict] = []
+
+    with pytest.raises(Fail) as failed:
+        prepare(spec, [], progress=events.append)
+
+    # The publisher's to fix, by the next publish, found before evaluation.
+    assert failed.value.reason == "source.git-dependency" and not failed.value.permanent
+    assert "tch-fork 0.9.0 (git+https://git.example/tch.git?branch=main#0123456789abcdef)" in failed.value.message
+    assert "s3cr3t" not in failed.value.message and "deploy" not in failed.value.message
+    assert not [e for e in events if e.get("event") == "build-start"]
+
+
 # --- the CUDA build -------------------------------------------------------------------------
 
 
