@@ -97,8 +97,8 @@ Reason = Literal[
     "source.missing",
     "source.host-key",
     "source.rsync-missing",
-    "source.no-cargo-lock",
     "source.git-dependency",
+    "source.no-cargo-lock",
     "source.unsupported-file",
     # the flake's side of the contract, and the libtorch variant
     "flake.contract-mismatch",
