@@ -334,7 +334,7 @@ def test_the_test_command_is_this_suite():
     lines = script.read_text().splitlines()
     assert "scripts/setup" in lines and lines[-1] == 'exec .venv/bin/python -m pytest "$@"'
     # The containers skip the CUDA wheels (docs/TESTING.md, "CI"): the same
-    # README commands, with the one test that needs them skipping by name.
+    # README commands, the CUDA build tests skipping with their reason.
     ci = (REPO / ".ci" / "run").read_text()
     assert "'./scripts/demo --cpu-only && nix --version && FDL_PREPARE_NO_CUDA_WHEELS=1 ./scripts/test -q'" in ci
 
