@@ -61,9 +61,7 @@ def make_source(dest: Path) -> Path:
         shutil.copytree(found, vendor / found.name)
     for own in FLAKE_REGISTRY.iterdir():
         shutil.copytree(own, vendor / own.name)
-        (vendor / own.name / ".cargo-checksum.json").write_text(
-            json.dumps({"package": _digest(own), "files": {}})
-        )
+        (vendor / own.name / ".cargo-checksum.json").write_text(json.dumps({"package": _digest(own), "files": {}}))
     (scratch / "config.toml").write_text(
         '[source.crates-io]\nreplace-with = "v"\n[source.v]\n' + f"directory = {json.dumps(str(vendor))}\n"
     )
