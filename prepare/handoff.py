@@ -194,19 +194,22 @@ class _Refused(Exception):
     """A directory on the way is not one to write in."""
 
 
-def _enter(parent: int, name: str, user: Owner) -> int:
+def _enter(parent: int, name: str, user: Owner, *, make: bool = True) -> int:
     """The directory `name` below `parent`, made (the training user's) when
-    missing, opened without following a link; the training user's or
-    root's, else refused."""
-    try:
-        os.mkdir(name, 0o755, dir_fd=parent)
-    except FileExistsError:
-        pass
-    else:
-        if user.uid is not None:
-            os.chown(name, user.uid, user.gid if user.gid is not None else -1, dir_fd=parent, follow_symlinks=False)
+    missing and `make`, opened without following a link; the training
+    user's or root's, else refused."""
+    if make:
+        try:
+            os.mkdir(name, 0o755, dir_fd=parent)
+        except FileExistsError:
+            pass
+        else:
+            if user.uid is not None:
+                os.chown(name, user.uid, user.gid if user.gid is not None else -1, dir_fd=parent, follow_symlinks=False)
     try:
         fd = os.open(name, _DIR, dir_fd=parent)
+    except FileNotFoundError:
+        raise _Refused(f"{name} does not exist") from None
     except OSError as err:
         raise _Refused(f"{name} is not a directory (a symlink, or a file): {os.strerror(err.errno or 0)}") from None
     uid = os.fstat(fd).st_uid
@@ -227,28 +230,27 @@ def _active(user: Owner, variant: str, libtorch: str, notes: list[str]) -> None:
     if not _LABEL.fullmatch(variant):
         notes.append(f"libtorch/.active not written: the variant label {variant!r} is not a plain name")
         return
-    parent, last = os.path.split(home.rstrip("/"))
+    parts = [p for p in os.path.normpath(home).split("/") if p]
     fds: list[int] = []
     try:
         try:
-            # The floDl root's parent is the operator's (FLODL_HOME) or the
-            # password database's (the home): it must exist; nothing above
-            # it is made.
-            fds.append(os.open(parent or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
-        except OSError as err:
-            notes.append(
-                f"libtorch/.active not written: {parent} (above the floDl root {home}) is not a directory "
-                f"({os.strerror(err.errno or 0)}): set FLODL_HOME for both units to a directory of {user.name}'s"
-            )
-            return
-        try:
-            for name in (last, LIBTORCH, OURS):
+            # From `/`, each directory opened through the one above it without
+            # following a link: a link the training user placed on the way
+            # would send root's writes anywhere. Above the floDl root nothing
+            # is made (it is the operator's FLODL_HOME, or the home).
+            fds.append(os.open("/", _DIR))
+            for name in parts[:-1]:
+                fds.append(_enter(fds[-1], name, user, make=False))
+            for name in (parts[-1], LIBTORCH, OURS):
                 fds.append(_enter(fds[-1], name, user))
             _swap_link(fds[-1], variant, libtorch, user)
             before = _read_small(fds[-2], ACTIVE)
             _write_owned(fds[-2], ACTIVE, f"{OURS}/{variant}\n".encode(), user)
         except _Refused as why:
-            notes.append(f"libtorch/.active not written under {home}: {why}; the training user's floDl root is theirs")
+            notes.append(
+                f"libtorch/.active not written under {home}: {why}. Set FLODL_HOME for both units to a directory "
+                f"of {user.name}'s reached through real directories"
+            )
             return
         except OSError as err:
             notes.append(f"libtorch/.active not written under {home}: {os.strerror(err.errno or 0)}")

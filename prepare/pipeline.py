@@ -176,10 +176,10 @@ def _build(a: Attempt) -> Attempt:
 
 
 def _smoke(a: Attempt) -> Attempt:
-    from prepare import smoke
+    from prepare import handoff, smoke
 
     assert a.built is not None and a.built.bin is not None and a.built.smoke
-    smoke.run(a.built.bin, a.built.smoke, a.plan.smoke.timeout_s, a.notes, user=a.plan.smoke.user)
+    smoke.run(a.built.bin, a.built.smoke, a.plan.smoke.timeout_s, a.notes, user=handoff.training_user(a.plan))
     return a
 
 
@@ -289,13 +289,14 @@ def _build_check(a: Attempt) -> tuple[Attempt, StepCheck]:
 def _smoke_check(a: Attempt) -> tuple[Attempt, StepCheck]:
     import shlex
 
+    from prepare import handoff
     from prepare.host import confine, human
 
     assert a.source is not None
     recipe = a.source.recipe
     # Resolved as the run would be (a missing or root smoke_user is the
     # config's error), then its home removed again.
-    confinement = confine.enter(a.plan.smoke.user)
+    confinement = confine.enter(handoff.training_user(a.plan))
     confine.leave(confinement)
     command = human.printable(shlex.join([recipe.bin, *(recipe.smoke or ())]))
     if len(command) > 200:

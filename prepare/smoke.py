@@ -9,7 +9,8 @@ the GPU fails here instead of after the controller admitted the box.
 The run's recipe says how (`smoke`, a list of arguments: `[join.source]
 smoke`, outranked by the run manifest's, since the publisher knows what its
 binary takes); an empty list, or none, runs nothing. The binary starts in
-its run's cwd (a read-only store path), as the training would: never as
+its run's cwd (the run directory, prepare.build.rundir), as the training
+would: never as
 root, with no capabilities, a clean environment and everything it starts
 stopped when it ends (prepare.host.confine, `smoke_user`), and is killed at
 `smoke_timeout` (`--smoke-timeout`). What it prints is kept to its last

@@ -250,8 +250,7 @@ def test_a_published_manifest_outranks_the_boxs_own_recipe(nix_env, test_flake, 
     got, notes = run(spec(test_flake, state_dir, src.url, **box))
     assert os.path.basename(got.bin.path) == "published"
     assert subprocess.run([got.bin.path], capture_output=True, text=True).stdout.strip() == "published"
-    # The run's cwd is its own writable copy of the published tree, at `cwd`.
-    assert got.bin.cwd.startswith(os.path.join(state_dir, "runs", "")) and got.bin.cwd.endswith("/app")
+    assert got.bin.cwd.endswith("-source/app") and got.bin.cwd.startswith("/nix/store/")
     assert os.path.isfile(os.path.join(got.bin.cwd, "keep"))
     assert got.args == ("--epochs", "3")
     assert got.run_id == "run-77"
@@ -427,10 +426,7 @@ def test_prepares_of_two_sources_on_one_state_directory_never_prune_each_others_
     held = {os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
     for got in (first, second):
         assert got.bin is not None
-        assert os.path.dirname(os.path.dirname(got.bin.path)) in held
-        # Nor each other's run directories.
-        assert os.path.isdir(got.bin.cwd)
-    assert first.bin.cwd != second.bin.cwd
+        assert {os.path.dirname(os.path.dirname(got.bin.path)), got.bin.cwd} <= held
 
 
 def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, state_dir, git_source):
@@ -439,9 +435,7 @@ def test_built_outputs_are_gc_roots_under_the_state_dir(nix_env, test_flake, sta
     roots = os.path.join(state_dir, "gcroots")
     targets = {os.readlink(os.path.join(roots, n)) for n in os.listdir(roots)}
     training = os.path.dirname(os.path.dirname(got.bin.path))
-    assert {got.libtorch.path, training} <= targets
-    # The fetched tree, the build's input, stays rooted; the run works in its copy.
-    assert any(t.endswith("-source") for t in targets) and got.bin.cwd not in targets
+    assert {got.libtorch.path, training, got.bin.cwd} <= targets
     # Nix registered them: the store's own list of roots names our links.
     listed = subprocess.run(
         ["nix-store", "--gc", "--print-roots"],

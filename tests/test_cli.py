@@ -235,6 +235,24 @@ def test_a_permanent_failure_in_json_has_kind_and_a_message_naming_the_field(
     assert out["reason"] == "data.root-unusable"
 
 
+def test_a_prepared_box_reports_its_devices_as_cuda_ordinals_beside_their_nvml_indices(  # type: ignore[no-untyped-def]
+    box: dict[str, str], fake_nvml
+) -> None:
+    from nvml_fixtures import FakeGpu
+
+    env = fake_nvml.box([FakeGpu(), FakeGpu(), FakeGpu()]).env(box)
+    env["CUDA_VISIBLE_DEVICES"] = "2,1"
+
+    as_json = fdl(env, "--json")
+    said = fdl(env)
+
+    assert as_json.returncode == 0, as_json.stderr
+    out = json.loads(as_json.stdout)
+    assert (out["devices"], out["nvml_indices"], out["gpu_vendor"]) == ([0, 1], [2, 1], "nvidia")
+    assert said.returncode == 0, said.stderr
+    assert "gpus      0, 1  (CUDA ordinals; NVML 2, 1)" in said.stderr
+
+
 def test_the_survey_in_json_has_kind_gpus_and_schema_1(box: dict[str, str], fake_nvml) -> None:  # type: ignore[no-untyped-def]
     from nvml_fixtures import ampere_pair
 

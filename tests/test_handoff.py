@@ -164,6 +164,19 @@ def test_a_symlink_the_training_user_plants_in_the_run_directory_sends_no_write_
     assert (victim / "precious").read_text() == "root's\n" and os.listdir(victim) == ["precious"]
 
 
+def test_a_bin_the_build_did_not_make_is_transient_the_sources_to_fix(nix_env, test_flake, state_dir, git_source):
+    # floDl's `bin` names where the build writes, relative to cwd; a publish
+    # that names another path is fixed by the next publish, not the flake.
+    src = git_source(trainer(manifest={"bin": "target/release/train", "build": CHECKPOINTING}))
+
+    with pytest.raises(Fail) as failed:
+        build(spec(test_flake, state_dir, src.url))
+
+    assert failed.value.reason == "nix.build-failed" and not failed.value.permanent
+    assert "the build produced no file 'target/release/train' relative to cwd" in failed.value.message
+    assert "publish a run whose bin is the path the build writes" in failed.value.message
+
+
 # --- floDl's libtorch/.active, the stable links, the last Prepared --------------------------
 
 
@@ -227,7 +240,7 @@ def test_the_last_prepared_and_stable_links_to_the_current_binary_are_in_the_sta
 
 
 def test_a_tree_past_the_run_directorys_bounds_is_permanent_and_leaves_nothing_half_made(
-    nix_env, test_flake, state_dir, git_source, monkeypatch
+    nix_env, test_flake, state, git_source, monkeypatch
 ):
     from prepare.build import rundir
 
@@ -235,11 +248,11 @@ def test_a_tree_past_the_run_directorys_bounds_is_permanent_and_leaves_nothing_h
     monkeypatch.setattr(rundir, "MAX_ENTRIES", 1)
 
     with pytest.raises(Fail) as failed:
-        build(spec(test_flake, state_dir, src.url))
+        build(spec(test_flake, state, src.url))
 
     assert failed.value.reason == "state.run-dir" and failed.value.permanent
     assert "more than 1 entries" in failed.value.message and "Publish the project, not its data" in failed.value.message
-    assert [n for n in os.listdir(os.path.join(state_dir, "runs")) if n.startswith(".")] == []
+    assert os.listdir(os.path.join(state, "runs")) == []
 
 
 # --- devices as CUDA ordinals --------------------------------------------------------------
@@ -270,3 +283,18 @@ def test_the_offered_devices_are_cuda_ordinals_under_cuda_visible_devices_with_n
 
     assert (got.devices, got.nvml_indices, got.gpu_vendor) == (ordinals, nvml, "nvidia")
     assert got.to_json()["devices"] == list(ordinals) and got.to_json()["nvml_indices"] == list(nvml)
+
+
+def test_a_state_directory_the_training_user_cannot_reach_keeps_the_read_only_cwd_with_a_note(
+    nix_env, test_flake, state_dir, git_source
+):
+    # pytest's /tmp/pytest-of-root is root's, mode 0700: nobody passes through.
+    needs_root()
+    notes: list[str] = []
+
+    got = build(spec(test_flake, state_dir, git_source(trainer()).url), notes)
+
+    assert got.bin is not None and got.bin.cwd.startswith("/nix/store/")
+    assert not os.path.exists(os.path.join(state_dir, "runs"))
+    said = [n for n in notes if n.startswith("no run directory: nobody, who runs the training, cannot pass through")]
+    assert len(said) == 1 and "Set state_dir (--state-dir)" in said[0]

@@ -307,6 +307,35 @@ def test_a_workspace_members_floDl_bin_climbs_to_the_workspace_target_from_its_c
     assert ran.stdout == "app says hello from ../util\n"
 
 
+def test_a_lone_crate_in_a_subdirectory_finds_its_bin_in_its_own_target(env, test_flake, tmp_path):
+    # No workspace above it: cargo's target/ is the crate's own, <cwd>/target.
+    require_cargo()
+    tree = tmp_path / "source"
+    (tree / "lone" / "src").mkdir(parents=True)
+    (tree / "lone" / "Cargo.toml").write_text('[package]\nname = "lone"\nversion = "0.1.0"\nedition = "2021"\n')
+    (tree / "lone" / "src" / "main.rs").write_text('fn main() { println!("lone"); }\n')
+    subprocess.run(
+        [CARGO, "generate-lockfile", "--offline"],
+        cwd=tree / "lone",
+        env={"PATH": "/usr/bin:/bin", "CARGO_HOME": str(tmp_path / "cargo-home")},
+        check=True,
+        capture_output=True,
+    )
+
+    done = nix(
+        env,
+        "build",
+        "--json",
+        "--no-link",
+        f"{test_flake}#{FDL}.training",
+        *overrides(env, tree, tmp_path / "recipe", libtorch=None, cwd="lone", build=None, bin="target/release/lone"),
+    )
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)[0]["outputs"]["out"]
+    assert subprocess.run([f"{out}/bin/lone"], env={}, capture_output=True, text=True).stdout == "lone\n"
+
+
 def test_floDls_published_build_line_and_bin_build_the_example_against_the_real_libtorch(env, torch_flake, tmp_path):
     # The line `fdl publish` derives and the `bin` it writes, as written:
     # the feature is the variant's (empty for cpu, which cargo takes), the

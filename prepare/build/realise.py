@@ -9,12 +9,12 @@ previous links, each to a complete output. The recipe reaches the build as
 recipe path:<dir>`), which keeps evaluation pure; the source by store path
 and NAR hash, as fetched.
 
-What `Binary.cwd` means for a store-built binary: the fetched source tree
-at the recipe's `cwd` (`<source store path>/<cwd>`), the same directory the
-build ran in, so relative paths in the run's arguments resolve as they did
-on the publisher's machine. It is read-only (it is a store path, kept alive
-by the `source` GC root); a run writes to the stage or cache directories,
-never to its cwd.
+What `Binary.cwd` means here: the fetched source tree at the recipe's
+`cwd` (`<source store path>/<cwd>`), the directory the build ran in. It is
+read-only (a store path, kept alive by the `source` GC root), so step 7
+then hands the run a writable copy of that tree instead
+(prepare.build.rundir), where relative paths in the run's arguments
+resolve as they did on the publisher's machine.
 
 These are the plain parts; whether a build is needed at all is the warm
 path's decision (prepare.build.warm).

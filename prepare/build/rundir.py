@@ -79,6 +79,15 @@ def provide(state: str, built: Built, source: Source, owner: Owner, notes: list[
     fetched = source.fetched
     name = name_for(fetched.url, source.recipe.run_id, fetched.nar_hash)
     runs = os.path.join(state, RUNS)
+    closed = _closed_to(owner, state)
+    if closed is not None:
+        notes.append(
+            f"no run directory: {owner.name}, who runs the training, cannot pass through {closed} (above the state "
+            f"directory {state}), so the run's cwd stays the fetched tree, read-only ({built.bin.cwd}); a run that "
+            "writes to its cwd fails there. Set state_dir (--state-dir) under directories every user may pass "
+            "through (root's default, /var/lib/fdl-prepare, is)"
+        )
+        return built
     try:
         with state_dir.opened_dir(state, "state directory") as state_fd:
             with contextlib.suppress(FileExistsError):
@@ -106,6 +115,37 @@ def provide(state: str, built: Built, source: Source, owner: Owner, notes: list[
         + (f"; {pruned} older run director{'y' if pruned == 1 else 'ies'} of this source removed" if pruned else "")
     )
     return replace(built, bin=replace(built.bin, cwd=where))
+
+
+def _closed_to(owner: Owner, state: str) -> str | None:
+    """The first directory from `/` to `state` that `owner` may not pass
+    through (its search bit, for them), or None."""
+    if owner.uid is None:
+        return None
+    import grp
+    import pwd
+
+    try:
+        name = pwd.getpwuid(owner.uid).pw_name
+        groups = {owner.gid} | {g.gr_gid for g in grp.getgrall() if name in g.gr_mem}
+    except KeyError:
+        groups = {owner.gid}
+    path = "/"
+    for part in [p for p in os.path.abspath(state).split("/") if p]:
+        path = os.path.join(path, part)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return path
+        if st.st_uid == owner.uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid in groups:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return path
+    return None
 
 
 def _usable(runs_fd: int, runs: str, name: str, owner: Owner) -> bool:
