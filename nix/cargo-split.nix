@@ -208,11 +208,21 @@ in
   # Shell, in the dependency derivation after the build, at the source root:
   # cargo's target directory becomes the output. The .cargo-lock files are
   # cargo's locks of a build in progress, meaningless in the store.
+  #
+  # The stubs' own binaries go: they are the run's, rebuilt on top anyway,
+  # and each is as large as the real one (a copy in deps/, another uplifted
+  # beside it). A registry crate never leaves an extensionless file in
+  # deps/ (its artefacts are .rlib, .rmeta, .so, .d), a binary target does.
   saveTarget = ''
     if [ -d ${shellQuote targetDir} ]; then
       mkdir -p "$out"
       cp -R ${shellQuote targetDir} "$out/target"
       find "$out/target" -name .cargo-lock -type f -delete
+      find "$out/target" -mindepth 2 -maxdepth 3 -type f -path '*/deps/*' ! -name '*.*' -delete
+      for profile in "$out/target"/*/ "$out/target"/*/*/; do
+        [ -d "$profile/.fingerprint" ] || continue
+        find "$profile" -mindepth 1 -maxdepth 1 -type f ! -name '*.*' -delete
+      done
     else
       mkdir -p "$out/target"
     fi
@@ -228,10 +238,20 @@ in
   # build script is not rerun), and then every stubbed file is touched, so
   # that each of the run's own crates is newer than its stub's artefacts and
   # is rebuilt. Without the touch, cargo would link the stubs.
+  #
+  # The libraries in deps/ are linked, not copied, as crane does: cargo never
+  # writes to a fresh one, and a rebuilt one is written anew beside the link
+  # and renamed over it. The rest is copied: build scripts' outputs and
+  # fingerprints may be written again.
   restoreTarget = ''
     find . -path ./${shellQuote targetDir} -prune -o -exec touch -h -d @1 {} +
     mkdir -p ${shellQuote targetDir}
-    cp -R --preserve=timestamps "$fdlDeps/target/." ${shellQuote targetDir}/
+    (
+      cd "$fdlDeps/target"
+      find . -type d -exec mkdir -p "$OLDPWD"/${shellQuote targetDir}/{} \;
+      find . -type f \( -path '*/deps/*.rlib' -o -path '*/deps/*.rmeta' \) -exec ln -s "$fdlDeps/target/{}" "$OLDPWD"/${shellQuote targetDir}/{} \;
+      find . -type f ! \( -path '*/deps/*.rlib' -o -path '*/deps/*.rmeta' \) -exec cp --preserve=timestamps {} "$OLDPWD"/${shellQuote targetDir}/{} \;
+    )
     chmod -R u+w ${shellQuote targetDir}
   ''
   + concatStringsSep "\n" (map (p: "touch ${shellQuote p}") stubs)
