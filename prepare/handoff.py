@@ -49,6 +49,7 @@ PREPARED = "prepared.json"
 # A variant label as a file name: the flake's labels (cpu, cu128, rocm6.4).
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_STRAY = re.compile(r"\.(?:bin|cwd|libtorch)\.[0-9a-f]{16}\.tmp")
 
 
 def training_user(plan: Plan) -> str:
@@ -148,6 +149,11 @@ def _current(state_fd: int, done: Prepared) -> None:
             "cwd": done.bin.cwd if done.bin else None,
             "libtorch": done.libtorch.path if done.libtorch else None,
         }
+        # What an attempt stopped midway (SIGKILL) left of a swap.
+        for stray in os.listdir(fd):
+            if _STRAY.fullmatch(stray):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(stray, dir_fd=fd)
         for name, target in links.items():
             if target is None:
                 with contextlib.suppress(FileNotFoundError):

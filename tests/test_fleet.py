@@ -338,7 +338,7 @@ def test_the_signing_key_is_never_on_a_command_line_nor_in_a_message(
         ({"variants": ("auto",)}, ['--variant "auto"']),
         ({"variants": ()}, ["no --variant given"]),
         ({"variants": ("cpu", "cu999")}, ["--variant 'cu999': not a variant of the flake", "cpu, cu128"]),
-        ({"bin": "../escape"}, ["--bin '../escape'", "without '..'"]),
+        ({"bin": "../escape"}, ["--bin '../escape'", "relative to --cwd that stays inside the source"]),
         ({"to": "not a url"}, ["--to 'not a url'", "not a store URL"]),
         ({"signing_key": "/nonexistent/key"}, ["--signing-key '/nonexistent/key' is not a readable file"]),
         ({"commit": True}, ["--commit/--push need a git checkout"]),

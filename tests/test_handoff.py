@@ -223,6 +223,10 @@ def test_the_last_prepared_and_stable_links_to_the_current_binary_are_in_the_sta
 ):
     src = git_source(trainer(manifest={"bin": "train", "build": CHECKPOINTING, "run": "run-9", "args": ["--x"]}))
 
+    os.makedirs(os.path.join(state_dir, "current"))
+    # A swap an earlier attempt was killed in the middle of.
+    os.symlink("/nix/store/gone", os.path.join(state_dir, "current", ".bin.0123456789abcdef.tmp"))
+
     got = build(spec(test_flake, state_dir, src.url))
 
     path = os.path.join(state_dir, "prepared.json")

@@ -169,7 +169,7 @@ def _check(spec: PublishSpec, notes: list[str]) -> tuple[str, tuple[str, ...], s
             "it to a path without them, or publish it as a git checkout",
         )
     for name, value, allow_dot in (("--bin", spec.bin, False), ("--cwd", spec.cwd, True)):
-        _relative(name, value, allow_dot)
+        _relative(name, value, allow_dot, spec.cwd)
     variants = tuple(dict.fromkeys(v.strip() for v in spec.variants))
     if not variants or any(not v for v in variants):
         raise Fail(
@@ -234,11 +234,20 @@ def source_url(root: str, rev: str | None) -> str:
     return f"path:{root}"
 
 
-def _relative(name: str, value: str, allow_dot: bool) -> None:
+def _relative(name: str, value: str, allow_dot: bool, cwd: str) -> None:
     norm = posixpath.normpath(value.strip()) if value.strip() else ""
-    if not norm or posixpath.isabs(norm) or norm == ".." or norm.startswith("../") or (norm == "." and not allow_dot):
-        what = "a directory relative to the source root" if name == "--cwd" else "a name or a path relative to --cwd"
-        raise Fail("publish.invalid", f"{name} {value!r} must be {what}, without '..'")
+    climbs = norm == ".." or norm.startswith("../")
+    if climbs and name == "--bin":
+        # floDl's bin: a workspace member's is `../target/release/NAME`.
+        inside = posixpath.normpath(posixpath.join(cwd.strip() or ".", norm))
+        climbs = inside in ("..", ".") or inside.startswith("../")
+    if not norm or posixpath.isabs(norm) or climbs or (norm == "." and not allow_dot):
+        what = (
+            "a directory relative to the source root, without '..'"
+            if name == "--cwd"
+            else "a path relative to --cwd that stays inside the source"
+        )
+        raise Fail("publish.invalid", f"{name} {value!r} must be {what}")
 
 
 def _recipe(spec: PublishSpec, tree: str) -> Recipe:
