@@ -150,6 +150,26 @@ let
         ++ listed "bench" "benches"
       );
 
+  # The library file names of the run's own crates (`lib<name>-<hash>.rlib`):
+  # rustc refuses to write one through a link into the store, so those are
+  # copied, never linked.
+  ownLibs = concatMap (
+    d:
+    let
+      toml = fromTOML (readFile "${at d}/Cargo.toml");
+      name =
+        if isAttrs (toml.lib or null) && isString (toml.lib.name or null) then
+          toml.lib.name
+        else
+          replaceStrings [ "-" ] [ "_" ] (toml.package.name or "");
+    in
+    if (toml.package or null) == null || name == "" then [ ] else [ "lib${name}-*" ]
+  ) ownDirs;
+  # find(1) tests: a dependency's library in deps/, none of the run's own.
+  linked =
+    "\\( -path '*/deps/*.rlib' -o -path '*/deps/*.rmeta' \\)"
+    + concatStringsSep "" (map (n: " ! -name ${shellQuote n}") ownLibs);
+
   # Relative to the source root, without duplicates.
   stubs =
     let
@@ -239,18 +259,18 @@ in
   # that each of the run's own crates is newer than its stub's artefacts and
   # is rebuilt. Without the touch, cargo would link the stubs.
   #
-  # The libraries in deps/ are linked, not copied, as crane does: cargo never
-  # writes to a fresh one, and a rebuilt one is written anew beside the link
-  # and renamed over it. The rest is copied: build scripts' outputs and
-  # fingerprints may be written again.
+  # The dependencies' libraries in deps/ are linked, not copied, as crane
+  # does: cargo never writes to a fresh one. The rest is copied: the run's
+  # own libraries (rustc refuses to write one through a link), build
+  # scripts' outputs and fingerprints are written again.
   restoreTarget = ''
     find . -path ./${shellQuote targetDir} -prune -o -exec touch -h -d @1 {} +
     mkdir -p ${shellQuote targetDir}
     (
       cd "$fdlDeps/target"
       find . -type d -exec mkdir -p "$OLDPWD"/${shellQuote targetDir}/{} \;
-      find . -type f \( -path '*/deps/*.rlib' -o -path '*/deps/*.rmeta' \) -exec ln -s "$fdlDeps/target/{}" "$OLDPWD"/${shellQuote targetDir}/{} \;
-      find . -type f ! \( -path '*/deps/*.rlib' -o -path '*/deps/*.rmeta' \) -exec cp --preserve=timestamps {} "$OLDPWD"/${shellQuote targetDir}/{} \;
+      find . -type f ${linked} -exec ln -s "$fdlDeps/target/{}" "$OLDPWD"/${shellQuote targetDir}/{} \;
+      find . -type f ! \( ${linked} \) -exec cp --preserve=timestamps {} "$OLDPWD"/${shellQuote targetDir}/{} \;
     )
     chmod -R u+w ${shellQuote targetDir}
   ''
