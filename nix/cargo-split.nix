@@ -70,7 +70,9 @@ let
 
   # Cargo's own output: never an input of either derivation.
   targetDir = under crate.lockDir "target";
-  skipDir = d: baseNameOf d == ".git" || d == targetDir || baseNameOf d == "target";
+  # Only the workspace's own target/: a vendored crate may well have a
+  # module directory of that name (cc's src/target/).
+  skipDir = d: baseNameOf d == ".git" || d == targetDir;
 
   # Directories holding a Cargo.toml of the run's own, found by walking the
   # tree (not the vendored crates, not target/, not .git).
