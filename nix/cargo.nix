@@ -106,7 +106,11 @@ in
 rec {
   cwd = here;
   inherit lockDir;
+  # Without a Cargo.lock there is nothing to build apart (a build line's
+  # own project): no dependency derivation.
+  hasLock = lockDirs != [ ];
   lockFile = "${at lockDir}/Cargo.lock";
+  lockFileRel = under lockDir "Cargo.lock";
 
   hasPackage = manifest ? package;
   pname = if isString (package.name or null) then package.name else "fdl-training";

@@ -177,14 +177,17 @@ let
   # go: files of those names deeper in the tree are the source's own.
   # The name is how the runner tells a failed training build (it names this
   # copy) from a failed build of the flake's own (prepare/nix/diagnosis.py).
-  runFiles = map (name: "${toString source}/${name}") [
+  # The run files (floDl's manifest and its digest sidecar) are not inputs
+  # of any build: writing them at publish changes no derivation.
+  manifestNames = [
     ".fdl-run.yml"
     ".fdl-run.sha256"
   ];
+  manifests = map (n: "${toString source}/${n}") manifestNames;
   trainingSource = builtins.path {
     path = source;
     name = "fdl-training-source";
-    filter = path: _type: !(elem path runFiles);
+    filter = path: _type: !(builtins.elem path manifests);
   };
 
   training =
@@ -194,6 +197,10 @@ let
     toolchain.buildTraining {
       inherit system;
       src = trainingSource;
+      # The dependency derivation's tree is cut from the same source, less
+      # the same manifest (nix/cargo-split.nix).
+      originalSource = source;
+      omit = manifestNames;
       inherit (r) cwd build bin;
       variant = r.libtorch;
       libtorch = if r.libtorch == null then null else libtorch.${r.libtorch};
@@ -201,6 +208,13 @@ let
       # the crate's `cuda` feature and gets CUDA_HOME and NCCL.
       cuda = if r.libtorch == null then null else variants.${r.libtorch}.cuda;
     };
+
+  # The training build's dependencies (nix/cargo-split.nix), built apart
+  # from the run's own crates: the runner builds and roots them with the
+  # binary, so the next change of the source finds them in the store, and
+  # `fdl-prepare publish` pushes them. A source that is not built in two
+  # (no Cargo.lock) has none: the training derivation stands in.
+  trainingDeps = if (training.deps or null) != null then training.deps else training;
 in
 {
   inherit
@@ -208,6 +222,7 @@ in
     variants
     libtorch
     training
+    trainingDeps
     ;
   # `libtorch` and `training` again, under the digest of the contract and
   # the variants' metadata: the attribute exists only while they are
@@ -216,7 +231,7 @@ in
   # if the new flake's differ, that evaluation fails before anything is
   # built, and the runner evaluates them as usual.
   ifVariants.${hashString "sha256" (toJSON { inherit contract variants; })} = {
-    inherit libtorch training;
+    inherit libtorch training trainingDeps;
   };
   # The recipe as the flake understood it, defaults filled in: lets the runner
   # (and an operator) see what a build will use without building it.

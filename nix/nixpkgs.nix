@@ -32,6 +32,6 @@ in
       "fdl-prepare flake: this nixpkgs has rustc ${rustc.version}, and floDl's crates need ${minimumRustc} or later (edition 2024, let-chains): pin a newer nixpkgs in flake.nix";
     import ./training.nix {
       inherit lib rustc;
-      inherit (pkgs) rustPlatform autoAddDriverRunpath;
+      inherit (pkgs) rustPlatform autoAddDriverRunpath runCommand removeReferencesTo;
     } args;
 }

@@ -1,28 +1,37 @@
 # What a floDl training build must see (nix/CONTRACT.md, "floDl's build
-# contract"), as data and one shell snippet: builtins only, shared by the
-# production toolchain (nix/training.nix) and the test flake's, so the test
-# flake's real builds run these very lines.
+# contract"), as data and shell: builtins only, shared by the production
+# toolchain (nix/training.nix) and the test flake's, so the test flake's real
+# builds run these very lines.
 #
 # flodl-sys reads one root, LIBTORCH_PATH, holding include/ and lib/.
-# nixpkgs' libtorch-bin splits them (lib/ in `out`, include/ in `dev`), and
-# the two obvious ways of joining them are both wrong:
-#   - a merged root in the store: the binary's RUNPATH names it, so every
-#     box downloads the 39 MB of headers it references;
-#   - a merged root in the build directory: nixpkgs' ld-wrapper adds a
-#     RUNPATH only for -L directories in the store, so the binary cannot
-#     find libtorch_cpu.so at run time.
-# So the root is made in the build directory, where nothing in the output
-# can refer to it, and the RUNPATH is set explicitly, with NIX_LDFLAGS, to
-# libtorch's lib/ in the store. CUDA_HOME is made the same way, with the
-# lib64/ flodl-sys links cudart from (nixpkgs' CUDA packages have lib/).
+# The libtorch derivation splits them (lib/ in `out`, include/ in `dev`), so
+# the root is a small derivation of its own (`mkRoot`, the toolchain's way of
+# making one from `rootScript`): two links. Its path must be the same string
+# in the dependency derivation and in the crate's (nix/cargo-split.nix):
+# flodl-sys says `rerun-if-env-changed=LIBTORCH_PATH`, and a root in the
+# build directory, which is another directory for each derivation on a box
+# without a sandbox, would rerun the C++ shim on every build. Two things
+# keep the headers off the boxes that only run the binary:
+#   - the RUNPATH is set explicitly, with NIX_LDFLAGS, to libtorch's lib/ in
+#     the store (nixpkgs' ld-wrapper, left to itself, would add the root's);
+#   - the C++ compiler writes the headers' paths into the binary (__FILE__ in
+#     c10's asserts), which would make the root, and through it `dev`, part
+#     of the binary's closure: the toolchain strips references to the root
+#     from the installed binary (`root` below), as nixpkgs'
+#     remove-references-to does. The strings stay as text; they only name
+#     where a header was.
+# CUDA_HOME is in the same root, with the lib64/ flodl-sys links cudart and
+# NCCL from (the CUDA libtorch's `cuda` output: link names and sonames).
 {
-  # nixpkgs' libtorch-bin shape: `out` (lib/) and `dev` (include/)
+  # nix/libtorch-wheel.nix's shape: `out` (lib/) and `dev` (include/)
   libtorch,
   # null (a CPU build) or { version; include; lib; nccl; lib64 ? lib; }:
   # store paths of the CUDA headers, of the runtime's and NCCL's libraries
   # (the binary's RUNPATH), and of the directory with the link names
   # (libcudart.so, libnccl.so) that becomes CUDA_HOME/lib64.
   cuda ? null,
+  # name -> shell script that fills $out -> derivation (the toolchain's)
+  mkRoot,
 }:
 let
   out = "${libtorch.out or libtorch}";
@@ -39,6 +48,26 @@ let
           cuda.nccl
         ]
     );
+  # The root: libtorch/ (lib, include) and, for CUDA, cuda/ (include,
+  # lib64), each a link into the store.
+  root = mkRoot "fdl-build-root" (
+    ''
+      mkdir -p "$out/libtorch"
+      ln -s '${out}/lib' "$out/libtorch/lib"
+      ln -s '${dev}/include' "$out/libtorch/include"
+    ''
+    + (
+      if cuda == null then
+        ""
+      else
+        ''
+          mkdir -p "$out/cuda"
+          ln -s '${cuda.include}' "$out/cuda/include"
+          ln -s '${cuda.lib64 or cuda.lib}' "$out/cuda/lib64"
+        ''
+    )
+  );
+
 in
 {
   inherit rpath;
@@ -64,24 +93,15 @@ in
   }
   // (if cuda == null then { } else { FDL_CUDA_VERSION = cuda.version; });
 
-  # Run before the build: makes the roots under $NIX_BUILD_TOP and exports
-  # LIBTORCH_PATH (and CUDA_HOME).
-  roots = ''
-    fdl_roots="$NIX_BUILD_TOP/fdl-roots"
-    mkdir -p "$fdl_roots/libtorch"
-    ln -sfn '${out}/lib' "$fdl_roots/libtorch/lib"
-    ln -sfn '${dev}/include' "$fdl_roots/libtorch/include"
-    export LIBTORCH_PATH="$fdl_roots/libtorch"
-  ''
-  + (
-    if cuda == null then
-      ""
-    else
-      ''
-        mkdir -p "$fdl_roots/cuda"
-        ln -sfn '${cuda.include}' "$fdl_roots/cuda/include"
-        ln -sfn '${cuda.lib64 or cuda.lib}' "$fdl_roots/cuda/lib64"
-        export CUDA_HOME="$fdl_roots/cuda"
-      ''
-  );
+  inherit root;
+
+  # Run before the build: exports LIBTORCH_PATH (and CUDA_HOME).
+  roots =
+    let
+      r = "${root}";
+    in
+    ''
+      export LIBTORCH_PATH='${r}/libtorch'
+    ''
+    + (if cuda == null then "" else "export CUDA_HOME='${r}/cuda'\n");
 }

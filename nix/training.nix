@@ -9,6 +9,8 @@
   rustPlatform,
   rustc,
   autoAddDriverRunpath,
+  runCommand,
+  removeReferencesTo,
 }:
 {
   src,
@@ -18,6 +20,10 @@
   libtorch,
   variant,
   cuda ? null,
+  # the unfiltered source and the root names left out of `src`, for the
+  # dependency tree (nix/cargo-split.nix)
+  originalSource ? src,
+  omit ? [ ],
   ...
 }:
 let
@@ -45,6 +51,13 @@ let
       import ./training-env.nix {
         inherit libtorch;
         cuda = cudaParts;
+        # The build root, a store path both halves of the build name alike.
+        mkRoot =
+          name: script:
+          runCommand name {
+            preferLocalBuild = true;
+            allowSubstitutes = false;
+          } script;
       };
 
   # floDl's build (flodl-cli's source.rs): the build line, or its default,
@@ -56,27 +69,79 @@ let
   candidates = map lib.escapeShellArg searched;
 
   lockInSubdir = crate.lockDir != ".";
+  variantName = if variant == null then "notorch" else variant;
+
+  # The dependencies apart from the run's own crates (nix/cargo-split.nix):
+  # a derivation keyed by the cargo files, the lock, the toolchain, the
+  # libtorch variant, the environment and the build line, never by the
+  # run's code.
+  split = import ./cargo-split.nix {
+    source = originalSource;
+    inherit crate omit;
+  };
+  # Every crate by the hash Cargo.lock records; a source with git
+  # dependencies is refused before evaluation (prepare/build/crate.py) and
+  # at it (nix/cargo.nix). The lock is read from the dependency tree, so
+  # the vendored crates' derivation does not depend on the run's code
+  # either; both halves share it.
+  cargoLock = {
+    lockFile = "${split.depsSource}/${crate.lockFileRel}";
+  };
+
+  # What both halves share: the lock's place and the environment (CUDA_HOME
+  # and the CUDA libraries come with the variant's libtorch, in env).
+  common =
+    lib.optionalAttrs lockInSubdir { cargoRoot = crate.lockDir; }
+    // lib.optionalAttrs (env != null) { inherit (env) env; };
+
+  deps = rustPlatform.buildRustPackage (
+    common
+    // {
+      pname = "${crate.pname}-deps-${variantName}";
+      inherit (crate) version;
+      inherit cargoLock;
+      src = split.depsSource;
+      doCheck = false;
+      postPatch = split.writeStubs;
+      preBuild = lib.optionalString (env != null) env.roots;
+      # The line may fail on stubs (one that runs what it built, say): what
+      # cargo built until then is kept, and the crate's build does the rest.
+      buildPhase = ''
+        runHook preBuild
+        unset CARGO_TARGET_DIR CARGO_BUILD_TARGET
+        export CARGO_NET_OFFLINE=true
+        (
+          cd ${lib.escapeShellArg crate.cwd}
+          ${line}
+        ) || echo "fdl-prepare: the build line exited $? on the dependency-only tree; keeping what it built" >&2
+        runHook postBuild
+      '';
+      installPhase = split.saveTarget;
+      dontFixup = true;
+    }
+  );
 in
 assert crate.check { rustc = rustc.version; };
 rustPlatform.buildRustPackage (
   {
-    pname = "${crate.pname}-${if variant == null then "notorch" else variant}";
+    pname = "${crate.pname}-${variantName}";
     inherit (crate) version;
     # The whole tree: `cwd` may be a workspace member, or a crate whose path
     # dependencies (`../flodl`) live beside it.
     inherit src;
-
-    # Every crate by the hash Cargo.lock records; a source with git
-    # dependencies is refused at evaluation (nix/cargo.nix).
-    cargoLock = {
-      inherit (crate) lockFile;
-    };
+    inherit cargoLock;
 
     # The training code's own tests are the publisher's business, and they
     # would run on a box that has no GPU visible to the build.
     doCheck = false;
 
-    preBuild = lib.optionalString (env != null) env.roots;
+    # The dependencies' target/ first, then only the run's own crates build.
+    fdlDeps = deps;
+    preBuild = lib.optionalString (env != null) env.roots + split.restoreTarget;
+    passthru = {
+      inherit deps;
+      root = if env == null then null else env.root;
+    };
 
     # The build line, or floDl's default, in `cwd`, as `fdl join` runs it on
     # a box: cargo's own target directory (nixpkgs' cargoBuildHook would put
@@ -111,16 +176,19 @@ rustPlatform.buildRustPackage (
         exit 1
       fi
       install -Dm755 "$found" "$out/bin/"${lib.escapeShellArg (baseNameOf bin)}
+      ${lib.optionalString (env != null) "remove-references-to -t ${env.root} \"$out/bin/\"*"}
       runHook postInstall
     '';
   }
-  # cargoSetupHook compares the vendored lock with the source's, found here.
-  // lib.optionalAttrs lockInSubdir { cargoRoot = crate.lockDir; }
-  // lib.optionalAttrs (env != null) { inherit (env) env; }
-  // lib.optionalAttrs (cuda != null) {
-    # The driver directory on the RUNPATH after the build, where
-    # libcuda.so.1 and the libnvidia-ml.so.1 floDl dlopens are found. The
-    # CUDA libraries themselves carry it already (nix/libtorch-wheel.py).
-    nativeBuildInputs = [ autoAddDriverRunpath ];
+  # cargoSetupHook compares the vendored lock with the source's, found at
+  # cargoRoot.
+  // common
+  // {
+    # remove-references-to: the headers' paths in the binary must not keep
+    # the build root (and libtorch's headers) in its closure
+    # (nix/training-env.nix). The driver directory on the RUNPATH after the
+    # build, where libcuda.so.1 and the libnvidia-ml.so.1 floDl dlopens are
+    # found.
+    nativeBuildInputs = [ removeReferencesTo ] ++ lib.optional (cuda != null) autoAddDriverRunpath;
   }
 )

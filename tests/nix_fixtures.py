@@ -242,6 +242,9 @@ def flat_copy(dest: Path, *, stand_in: bool = False) -> Path:
         if src.exists():
             shutil.copy(src, dest / name)
     shutil.copytree(REPO / "nix", dest / "nix", ignore=shutil.ignore_patterns("*.md"))
+    # The registry crates the toolchain vendors besides Debian's.
+    if (REPO / "tests" / "flake" / "registry").is_dir():
+        shutil.copytree(REPO / "tests" / "flake" / "registry", dest / "registry")
     if stand_in:
         (dest / "stand-in.nix").write_text("true\n")
     return dest

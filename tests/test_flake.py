@@ -550,7 +550,10 @@ PRODUCTION_TRAINING = (
     "t: { inherit (t) pname version src env doCheck builtWith preBuild buildPhase installPhase;"
     " lock = t.cargoLock.lockFile; features = t.buildFeatures or null;"
     " subdir = t.buildAndTestSubdir or null; cargoRoot = t.cargoRoot or null;"
-    " buildInputs = map toString (t.buildInputs or [ ]); nativeBuildInputs = map toString (t.nativeBuildInputs or [ ]); }"
+    " buildInputs = map toString (t.buildInputs or [ ]); nativeBuildInputs = map toString (t.nativeBuildInputs or [ ]);"
+    " root = if t.passthru.root == null then null else { script = t.passthru.root.script; path = t.passthru.root.outPath; };"
+    " deps = { inherit (t.passthru.deps) pname src postPatch buildPhase installPhase preBuild env;"
+    " lock = t.passthru.deps.cargoLock.lockFile; }; fdlDeps = t.fdlDeps.pname; }"
 )
 
 
@@ -589,12 +592,15 @@ def test_the_production_training_build_sets_libtorch_path_and_builds_the_member_
     )
 
     assert training["builtWith"] == "buildRustPackage"
-    # floDl's LIBTORCH_PATH: one root, made in the build directory from
-    # libtorch's two outputs, so nothing in the output can refer to it.
-    assert 'fdl_roots="$NIX_BUILD_TOP/fdl-roots"' in training["preBuild"]
-    assert 'export LIBTORCH_PATH="$fdl_roots/libtorch"' in training["preBuild"]
-    assert f"ln -sfn '{libtorch['out']}/lib' \"$fdl_roots/libtorch/lib\"" in training["preBuild"]
-    assert f"ln -sfn '{libtorch['dev']}/include' \"$fdl_roots/libtorch/include\"" in training["preBuild"]
+    # floDl's LIBTORCH_PATH: one root, a store path of two links to
+    # libtorch's two outputs, named alike by both halves of the build.
+    root = training["root"]["path"]
+    assert root.endswith("-fdl-build-root")
+    assert f"export LIBTORCH_PATH='{root}/libtorch'" in training["preBuild"]
+    assert f"ln -s '{libtorch['out']}/lib' \"$out/libtorch/lib\"" in training["root"]["script"]
+    assert f"ln -s '{libtorch['dev']}/include' \"$out/libtorch/include\"" in training["root"]["script"]
+    # The headers' paths in the binary do not keep the root in its closure.
+    assert f"remove-references-to -t {root} " in training["installPhase"]
     # ... and the RUNPATH at libtorch's lib/ in the store, which the
     # ld-wrapper would not add for a -L outside it.
     assert training["env"]["NIX_LDFLAGS"] == f"-rpath {libtorch['out']}/lib"
@@ -604,7 +610,10 @@ def test_the_production_training_build_sets_libtorch_path_and_builds_the_member_
     # The whole tree, the member picked by cwd, the lock from the workspace root.
     assert training["src"].endswith("-fdl-training-source")
     assert training["subdir"] is None and training["cargoRoot"] is None
-    assert training["lock"] == training["src"] + "/Cargo.lock"
+    # The lock as the dependency tree holds it, so the vendored crates do
+    # not depend on the run's code.
+    assert training["lock"] == training["deps"]["src"] + "/Cargo.lock"
+    assert training["deps"]["src"].endswith("-fdl-training-source-deps")
     # floDl's build: its default line in cwd, cargo's own target directory
     # (not cargoBuildHook's, at the source root under a --target triple),
     # no feature chosen for the crate; `bin` relative to cwd.
@@ -642,10 +651,12 @@ def test_a_cuda_variants_training_build_carries_the_cuda_feature_cuda_home_nccl_
     # The vendor's feature is the build line's to use (floDl's build_env).
     assert training["features"] is None and training["env"]["FDL_GPU_FEATURE"] == "cuda"
     # CUDA_HOME is the wheels' libtorch's `cuda` output: every header floDl's
-    # shim includes, and the lib64/ with the link names flodl-sys links.
-    assert f"ln -sfn '{libtorch['cuda']}/include' \"$fdl_roots/cuda/include\"" in training["preBuild"]
-    assert f"ln -sfn '{libtorch['cuda']}/lib64' \"$fdl_roots/cuda/lib64\"" in training["preBuild"]
-    assert 'export CUDA_HOME="$fdl_roots/cuda"' in training["preBuild"]
+    # shim includes, and the lib64/ with the link names flodl-sys links,
+    # both in the build root both halves of the split build name alike.
+    assert f"ln -s '{libtorch['cuda']}/include' \"$out/cuda/include\"" in training["root"]["script"]
+    assert f"ln -s '{libtorch['cuda']}/lib64' \"$out/cuda/lib64\"" in training["root"]["script"]
+    assert f"export CUDA_HOME='{training['root']['path']}/cuda'" in training["preBuild"]
+    assert training["deps"]["preBuild"].startswith(training["preBuild"].split("\n")[0])
     assert training["buildInputs"] == []
     # The binary loads libtorch, cudart and NCCL from `out`, never from the
     # headers' outputs.
@@ -654,7 +665,10 @@ def test_a_cuda_variants_training_build_carries_the_cuda_feature_cuda_home_nccl_
         f"{libtorch['out']}/nvidia/nccl/lib",
     ]
     # The driver directory, where libcuda.so.1 and libnvidia-ml.so.1 are.
-    assert training["nativeBuildInputs"] == ["/nix/store/00000000000000000000000000000000-auto-add-driver-runpath-hook"]
+    assert training["nativeBuildInputs"] == [
+        "/nix/store/00000000000000000000000000000000-remove-references-to",
+        "/nix/store/00000000000000000000000000000000-auto-add-driver-runpath-hook",
+    ]
 
 
 def test_a_cpu_variants_training_build_carries_none_of_the_cuda_parts(env, production, nixpkgs, tmp_path):
@@ -664,7 +678,8 @@ def test_a_cpu_variants_training_build_carries_none_of_the_cuda_parts(env, produ
 
     assert training["features"] is None and training["env"]["FDL_GPU_FEATURE"] == ""
     assert "CUDA_HOME" not in training["preBuild"] and "cuda" not in training["env"]["NIX_LDFLAGS"]
-    assert training["buildInputs"] == [] and training["nativeBuildInputs"] == []
+    assert training["buildInputs"] == []
+    assert training["nativeBuildInputs"] == ["/nix/store/00000000000000000000000000000000-remove-references-to"]
     assert "FDL_CUDA_VERSION" not in training["env"]
 
 

@@ -133,7 +133,8 @@ def test_a_cache_signed_with_a_key_the_box_does_not_trust_is_refused_and_the_box
 
     assert "prepared" in result, str(result.get("fail"))
     assert substituted(result) == []
-    assert sorted(built(result)) == ["fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
+    # The build root (nix/training-env.nix): two links, built where the binary is.
+    assert sorted(built(result)) == ["fdl-build-root", "fdl-test-libtorch-cpu", "fdl-test-training-cpu"]
     said = "\n".join(result["notes"])
     assert f"binary cache {cache.url} offered" in said and "signed by no trusted key: refused" in said
     assert "built here instead" in said and "trusted_public_keys (--trusted-public-key)" in said
@@ -583,3 +584,48 @@ def test_publish_takes_no_smoke_run_since_flodls_manifest_has_no_field_for_it(tm
         done = subprocess.run([*argv, *flag], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         assert f"No such option: {flag[0]}" in done.stderr
+
+
+def test_a_publish_pushes_the_dependency_artefacts_and_a_box_substitutes_them_with_the_binary(
+    test_flake, git_source, binary_cache, signing_key, node_b, tmp_path
+):
+    # A cargo source (built in two derivations, nix/cargo-split.nix): the
+    # box gets the dependency artefacts from the cache with the binary, so a
+    # later change of the crate alone compiles the crate alone there too.
+    files = trainer(manifest={}, nonce=nonce())
+    files.update(
+        {
+            "Cargo.toml": '[package]\nname = "small"\nversion = "0.1.0"\nedition = "2021"\n',
+            "Cargo.lock": 'version = 3\n\n[[package]]\nname = "small"\nversion = "0.1.0"\n',
+            "src/main.rs": f'fn main() {{\n    println!("{nonce()}");\n}}\n',
+        }
+    )
+    src = git_source(files)
+    cache = binary_cache()
+    key = signing_key("fleet-test-deps")
+    publish(
+        publish_spec(
+            src.path,
+            test_flake,
+            cache.file_url,
+            key.secret,
+            tmp_path,
+            commit=True,
+            bin="target/release/small",
+            build=None,
+        ),
+        [],
+    )
+    b = node_b()
+
+    result = b.prepare(box(src.url, test_flake, b.root / "state", (cache.url,), (key.public,)))
+
+    assert "prepared" in result, str(result.get("fail"))
+    assert built(result) == []
+    assert sorted(substituted(result)) == [
+        "fdl-test-libtorch-cpu",
+        "fdl-test-training-cpu",
+        "fdl-test-training-deps-cpu",
+    ]
+    roots = b.root / "state" / "gcroots"
+    assert any(os.readlink(p).endswith("-fdl-test-training-deps-cpu") for p in roots.iterdir())

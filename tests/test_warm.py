@@ -177,7 +177,8 @@ def test_a_changed_flake_with_the_same_variants_evaluates_once(nix, make_flake, 
     second = attempt(nix, spec, notes, events)
     calls = nix.calls()
     gated = [a for argv in calls for a in argv if ".ifVariants." in a]
-    assert len(gated) == 2 and gated[1].endswith(".training"), calls
+    # libtorch, the binary and its dependency artefacts (nix/cargo-split.nix).
+    assert len(gated) == 3 and gated[1].endswith(".training") and gated[2].endswith(".trainingDeps"), calls
     assert sum(1 for argv in calls if "eval" in argv or "build" in argv) == 1, calls
     assert second == first and not built_names(events)
     assert attempt(nix, spec) == first and nix.evaluations() == 0

@@ -90,12 +90,39 @@ def identify(results: list[dict[str, Any]], bin_: str | None) -> tuple[str, str 
             holding = [r for r in holding if "libtorch" not in store_name(r["drvPath"])] or holding[:1]
         if holding:
             training = holding[0]
-    rest = [r for r in built if r is not training]
+    rest = [r for r in built if r is not training and not _is_deps(r, training)]
     libtorch = rest[0] if rest else built[0]
     outputs = libtorch.get("outputs") or {}
     libtorch_path = outputs.get("out") or next(iter(outputs.values()))
     training_path = (training.get("outputs") or {}).get("out") if training else None
     return libtorch_path, training_path
+
+
+def _out(result: dict[str, Any]) -> str:
+    outputs = result.get("outputs") or {}
+    return str(outputs.get("out") or next(iter(outputs.values()), ""))
+
+
+def _is_deps(result: dict[str, Any], training: dict[str, Any] | None) -> bool:
+    """The training build's dependencies (the flake's `trainingDeps`,
+    nix/CONTRACT.md): cargo's target/ and nothing else; or, for a source
+    built in one derivation, the training derivation again."""
+    if training is not None and result.get("drvPath") == training.get("drvPath"):
+        return True
+    out = _out(result)
+    try:
+        return sorted(os.listdir(out)) == ["target"]
+    except OSError:
+        return False
+
+
+def deps_path(results: list[dict[str, Any]], training_path: str | None) -> str | None:
+    """The dependency artefacts the training build was built on, when the
+    build had them apart (nix/cargo-split.nix); None otherwise."""
+    for result in results:
+        if "drvPath" in result and _out(result) != training_path and _is_deps(result, None):
+            return _out(result)
+    return None
 
 
 def note_build(
@@ -114,6 +141,8 @@ def note_build(
             what = f"libtorch {label}"
         elif training_path in outputs:
             what = "the training binary"
+        elif _is_deps(result, None):
+            what = "the training build's dependencies"
         else:
             what = store_name(result["drvPath"])
         if result["drvPath"] in built_drvs:

@@ -52,6 +52,9 @@ class Built:
     # The variant built: the one chosen, or the one chosen anew when the
     # flake did not bear out a prediction (prepare.build.warm).
     variant: variants.Variant | None = None
+    # The training build's dependency artefacts (nix/cargo-split.nix), when
+    # it had them apart: rooted with the rest, pushed by a publish.
+    deps: str | None = None
 
 
 def recipe_input(variant: variants.Variant, source: Source | None) -> dict[str, Any] | None:
@@ -123,7 +126,10 @@ def _request(
     if source is not None and recipe is not None:
         recipe_dir = outputs.write_recipe(recipe_home, recipe)
         overrides = {"source": source.fetched.pinned_url, "recipe": f"path:{recipe_dir}"}
-        installables += [f"{fdl}.training", source.fetched.store_path]
+        # trainingDeps: the dependencies built apart (nix/cargo-split.nix),
+        # rooted with the binary so the next change of the source finds
+        # them in the store.
+        installables += [f"{fdl}.training", f"{fdl}.trainingDeps", source.fetched.store_path]
     return installables, overrides
 
 
@@ -161,7 +167,13 @@ def built(
         cwd=os.path.normpath(os.path.join(source.fetched.store_path, recipe.cwd)),
     )
     return Built(
-        libtorch=libtorch, bin=binary, args=recipe.args, run_id=recipe.run_id, smoke=recipe.smoke, variant=variant
+        libtorch=libtorch,
+        bin=binary,
+        args=recipe.args,
+        run_id=recipe.run_id,
+        smoke=recipe.smoke,
+        variant=variant,
+        deps=outputs.deps_path(results, training_path),
     )
 
 

@@ -305,7 +305,9 @@ def _variant(
             f"variant {label}: the build made no training binary; the flake breaks the contract",
         )
     training = os.path.dirname(os.path.dirname(built.bin.path))
-    paths = [built.libtorch.path, training]
+    # The dependency artefacts too: a box building a changed source on
+    # this lock and toolchain substitutes them and compiles only its crate.
+    paths = [built.libtorch.path, training] + ([built.deps] if built.deps else [])
     with _step(label, "sign", timings):
         ws.step("sign", f"{label}: the closure of {', '.join(os.path.basename(p) for p in paths)}")
         ws.nix.sign(paths, key_file, doing=f"signing the {label} outputs with --signing-key {key_file}")

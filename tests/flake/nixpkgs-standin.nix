@@ -64,8 +64,16 @@ let
 
     ruff = tool "ruff";
     nixfmt-rfc-style = tool "nixfmt";
-    runCommand = name: attrs: script: attrs // { inherit name script; builtWith = "runCommand"; };
+    runCommand =
+      name: attrs: script:
+      attrs
+      // {
+        inherit name script;
+        builtWith = "runCommand";
+        outPath = "/nix/store/00000000000000000000000000000000-${name}";
+      };
 
+    removeReferencesTo = tool "remove-references-to";
     nix = tool "nix";
     sshfs = tool "sshfs";
     fuse = tool "fuse";

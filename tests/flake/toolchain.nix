@@ -142,23 +142,49 @@ let
     exec /usr/bin/cc "$@"
   '';
 
-  trainingScript = ''
+  # What both halves of the build (nix/cargo-split.nix) set up in the same
+  # way, so that cargo sees the same environment in each: a writable copy
+  # of the source, the variables of nix/training-env.nix, and what nixpkgs'
+  # stdenv gives every build, the production one's build lines included: a
+  # linker that takes $NIX_LDFLAGS, and a cargo home that is not $HOME
+  # (/homeless-shelter).
+  setupScript = ''
     set -eu
     work="$NIX_BUILD_TOP/source"
     cp -R "$src" "$work"
     chmod -R u+w "$work"
     if [ -n "''${roots:-}" ]; then eval "$roots"; fi
-    # What nixpkgs' stdenv gives every build, the production one's build
-    # lines included: a linker that takes $NIX_LDFLAGS, and a cargo home
-    # that is not $HOME (/homeless-shelter).
     mkdir -p "$NIX_BUILD_TOP/fdl-bin"
     printf '%s' "$ldWrapper" > "$NIX_BUILD_TOP/fdl-bin/cc"
     chmod +x "$NIX_BUILD_TOP/fdl-bin/cc"
     export PATH="$NIX_BUILD_TOP/fdl-bin:$PATH" CARGO_HOME="$NIX_BUILD_TOP/cargo-home"
+    if [ -n "''${fdlVendor:-}" ]; then
+      mkdir -p "$CARGO_HOME"
+      printf '%s\n' '[source.crates-io]' 'replace-with = "fdl-vendored"' '[source.fdl-vendored]' "directory = \"$fdlVendor\"" > "$CARGO_HOME/config.toml"
+    fi
     # As the production toolchain runs it (nix/training.nix): the build
     # line, or floDl's default, in `cwd`, offline, cargo's own target dir.
     export CARGO_NET_OFFLINE=true
     unset CARGO_TARGET_DIR CARGO_BUILD_TARGET
+  '';
+
+  # The dependencies: the build line on the stubbed tree, then target/.
+  # The line may fail on stubs (one that runs the built binary, say): what
+  # cargo built until then is kept, and the crate's build does the rest.
+  depsScript = setupScript + ''
+    cd "$work"
+    eval "$writeStubs"
+    cd "$work/$cwd"
+    /bin/sh -c "$build" || echo "fdl-prepare test flake: the build line exited $? on the dependency-only tree; keeping what it built" >&2
+    cd "$work"
+    eval "$saveTarget"
+  '';
+
+  trainingScript = setupScript + ''
+    if [ -n "''${fdlDeps:-}" ]; then
+      cd "$work"
+      eval "$restoreTarget"
+    fi
     cd "$work/$cwd"
     /bin/sh -c "$build" || {
       rc=$?
@@ -179,7 +205,91 @@ let
     mkdir -p "$out/bin"
     cp "$found" "$out/bin/$binName"
     chmod 0755 "$out/bin/$binName"
+    # The headers' paths the C++ compiler wrote into the binary name the
+    # build root; without this it, and libtorch's headers behind it, would
+    # be part of the binary's closure (nix/training-env.nix).
+    if [ -n "''${fdlRoot:-}" ]; then
+      /usr/bin/python3 -I -S -c "$removeReferences" "$out/bin/$binName" "$fdlRoot"
+    fi
   '';
+
+  # nixpkgs' remove-references-to, for a host without nixpkgs: the store
+  # hash of each given path, wherever it appears, becomes eeee…, which Nix's
+  # reference scan no longer finds.
+  removeReferences = ''
+    import os, sys
+    target, *paths = sys.argv[1:]
+    data = open(target, "rb").read()
+    for path in paths:
+        digest = os.path.basename(path)[:32].encode()
+        data = data.replace(digest, b"e" * len(digest))
+    with open(target, "wb") as f:
+        f.write(data)
+  '';
+
+  # nixpkgs' importCargoLock + cargoSetupHook, for a host without nixpkgs
+  # or network: every registry crate Cargo.lock names, copied into one
+  # store directory with the checksum the lock gives it, from the crates
+  # this flake carries (./registry) or Debian's packaged ones
+  # (/usr/share/cargo/registry, librust-*-dev). As in production, the
+  # directory is in the store and named by the lock alone, so both halves
+  # of a split build see the crates at one path, which cargo's fingerprints
+  # of registry crates hold it to.
+  flakeRegistry = if builtins.pathExists ./registry then builtins.path { path = ./registry; name = "fdl-test-registry"; } else null;
+  vendorFor =
+    lockFile:
+    let
+      lock = builtins.fromTOML (builtins.readFile lockFile);
+      fromRegistry = builtins.filter (
+        p: builtins.isString (p.source or null) && builtins.match "registry\\+.*" p.source != null
+      ) (lock.package or [ ]);
+      line =
+        p:
+        let
+          n = "${p.name}-${p.version}";
+          own = flakeRegistry != null && builtins.pathExists "${flakeRegistry}/${n}";
+        in
+        "${n} ${if own then "${flakeRegistry}/${n}" else "/usr/share/cargo/registry/${n}"} ${p.checksum or "-"}";
+    in
+    if fromRegistry == [ ] then
+      null
+    else
+      derivation {
+        name = "fdl-test-cargo-vendor";
+        inherit system;
+        crates = builtins.concatStringsSep "\n" (map line fromRegistry);
+        builder = sh;
+        PATH = hostPath;
+        args = [
+          "-c"
+          ''
+            set -eu
+            mkdir -p "$out"
+            printf '%s\n' "$crates" | while read -r name from sum; do
+              if [ ! -d "$from" ]; then
+                echo "fdl-prepare test flake: Cargo.lock names $name, which is neither in the flake's registry nor in $from (install Debian's librust-*-dev package of it)" >&2
+                exit 1
+              fi
+              cp -R "$from" "$out/$name"
+              chmod -R u+w "$out/$name"
+              if [ "$sum" = - ]; then sum=null; else sum="\"$sum\""; fi
+              printf '{"package":%s,"files":{}}' "$sum" > "$out/$name/.cargo-checksum.json"
+            done
+          ''
+        ];
+      };
+
+  mkRoot =
+    name: script:
+    derivation {
+      inherit name system;
+      builder = sh;
+      args = [
+        "-c"
+        ("set -eu\n" + script)
+      ];
+      PATH = hostPath;
+    };
 in
 {
   inherit wheelTools mkLibtorch torchWheel;
@@ -211,6 +321,10 @@ in
       libtorch,
       variant,
       cuda ? null,
+      # the unfiltered source and the root names to leave out of it, for the
+      # dependency tree (nix/cargo-split.nix)
+      originalSource ? src,
+      omit ? [ ],
       ...
     }:
     let
@@ -227,7 +341,7 @@ in
           null
         else
           import (nixDir + "/training-env.nix") {
-            inherit libtorch;
+            inherit libtorch mkRoot;
             cuda = cudaParts;
           };
       # Without a build line the recipe is floDl's default, a cargo build,
@@ -239,30 +353,17 @@ in
           ""
         else
           env.env.NIX_LDFLAGS + (if cuda == null then "" else " -rpath ${env.driverDir}");
-    in
-    assert checked;
-    derivation (
-      {
-        name = "fdl-test-training-${if variant == null then "notorch" else variant}";
-        inherit
-          system
-          src
-          cwd
-          bin
-          ldWrapper
-          ;
-        binName = baseNameOf bin;
-        build = if build == null then crate.defaultBuild else build;
-        # One path a line, relative to the source root.
-        candidates = builtins.concatStringsSep "\n" (crate.binCandidates bin);
+      line = if build == null then crate.defaultBuild else build;
+      vendor = if split == null then null else vendorFor "${split.depsSource}/${crate.lockFileRel}";
+      variantName = if variant == null then "notorch" else variant;
+      common = {
+        inherit system cwd ldWrapper;
+        build = line;
         builder = sh;
-        args = [
-          "-c"
-          trainingScript
-        ];
         PATH = hostPath;
         FDL_LIBTORCH_VARIANT = if variant == null then "" else variant;
       }
+      // (if vendor == null then { } else { fdlVendor = vendor; })
       // (
         if env == null then
           { }
@@ -272,8 +373,65 @@ in
             inherit (env) roots;
             NIX_LDFLAGS = ldflags;
           }
+      );
+      # A cargo project (a Cargo.lock at `cwd` or above) is built in two
+      # derivations (nix/cargo-split.nix); anything else in one.
+      split =
+        if crate.hasLock then
+          import (nixDir + "/cargo-split.nix") {
+            source = originalSource;
+            inherit crate omit;
+          }
+        else
+          null;
+      deps =
+        if split == null then
+          null
+        else
+          derivation (
+            common
+            // {
+              name = "fdl-test-training-deps-${variantName}";
+              src = split.depsSource;
+              inherit (split) writeStubs saveTarget;
+              args = [
+                "-c"
+                depsScript
+              ];
+            }
+          );
+    in
+    assert checked;
+    derivation (
+      common
+      // {
+        name = "fdl-test-training-${variantName}";
+        inherit src bin removeReferences;
+        binName = baseNameOf bin;
+        # One path a line, relative to the source root.
+        candidates = builtins.concatStringsSep "\n" (crate.binCandidates bin);
+        args = [
+          "-c"
+          trainingScript
+        ];
+      }
+      // (if env == null then { } else { fdlRoot = "${env.root}"; })
+      // (
+        if deps == null then
+          { }
+        else
+          {
+            fdlDeps = deps;
+            inherit (split) restoreTarget;
+          }
       )
-    );
+    )
+    // {
+      # The dependency derivation, for the flake's `trainingDeps` (the
+      # runner roots it, `fdl-prepare publish` pushes it); the training
+      # derivation itself where there is none.
+      inherit deps;
+    };
 
   # A fixed-output derivation whose output is `text`, checked against `hash`
   # (SRI). Give it a wrong hash to get a real hash mismatch.
