@@ -335,12 +335,13 @@ def test_the_example_manifest_is_flodls_with_every_field_typed():
     from prepare.build import manifest as manifest_mod
 
     raw = yaml.safe_load((EXAMPLE / manifest_mod.FILENAME).read_text())
-    # No `build` (the flake builds the crate as it builds any floDl one), no
-    # `cwd` (the root), no `smoke` (floDl's manifest has none: the box's).
-    assert set(raw) == {"bin", "args", "run", "built", "published_epoch", "origin", "digest"}
+    # `build` as floDl's publish writes it for a crate with a `cuda` feature,
+    # no `cwd` (the root), no `smoke` (floDl's manifest has none: the box's).
+    assert set(raw) == {"build", "bin", "args", "run", "built", "published_epoch", "origin", "digest"}
     manifest = manifest_mod.read(str(EXAMPLE))
     assert manifest is not None and manifest.unknown_count == 0
     assert manifest.bin == "target/release/train" and manifest.cwd is None
+    assert manifest.build == 'cargo build --release --features "$FDL_GPU_FEATURE" --bin train'
     assert (EXAMPLE / "Cargo.lock").is_file()
     assert manifest.args == ("--epochs", "2") and manifest.run == "example-0001"
     assert manifest.built is False and manifest.published_epoch == 1767225600 and manifest.origin

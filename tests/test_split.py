@@ -198,7 +198,7 @@ def test_a_redial_after_a_one_line_change_reuses_the_dependencies_and_compiles_o
         check=True,
         env={**os.environ, "NIX_CONFIG": NIX_CONFIG},
     ).stdout.split()
-    assert len(closure) == 2 and any(p.endswith("-fdl-test-libtorch-2.13.0-cpu") for p in closure), closure
+    assert len(closure) == 2 and any(p.endswith("-libtorch-2.13.0-cpu") for p in closure), closure
 
 
 # --- GC roots ----------------------------------------------------------------------------------------
