@@ -153,7 +153,7 @@ def main() -> None:
         recipe = work / "recipe"
         recipe.mkdir()
         (recipe / "recipe.json").write_text(
-            json.dumps({"contract": 1, "libtorch": "cpu", "cwd": ".", "build": None, "bin": "target/release/redial"})
+            json.dumps({"contract": 2, "libtorch": "cpu", "cwd": ".", "build": None, "bin": "target/release/redial"})
         )
         cargo_env = floDl_env(work, env, flake)
         ours = redial_fixtures.make_source(work / "ours")

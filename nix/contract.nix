@@ -42,7 +42,7 @@ let
     typeOf
     ;
 
-  contract = 1;
+  contract = 2;
 
   fail = msg: throw "fdl-prepare flake: ${msg}";
 

@@ -69,7 +69,7 @@ def prefetch(env: dict[str, str], tree: Path) -> str:
 
 def write_recipe(directory: Path, **recipe: object) -> str:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "recipe.json").write_text(json.dumps({"contract": 1, **recipe}))
+    (directory / "recipe.json").write_text(json.dumps({"contract": 2, **recipe}))
     return f"path:{directory}"
 
 
@@ -105,7 +105,7 @@ def test_the_variants_metadata_has_the_contract_shape(env, test_flake):
         env, "eval", "--no-write-lock-file", f"{test_flake}#{FDL}", "--apply", "f: { inherit (f) contract variants; }"
     )
 
-    assert got["contract"] == 1
+    assert got["contract"] == 2
     assert got["variants"] == {
         "cpu": {"label": "cpu", "cuda": None, "archs": []},
         "cu128": {"label": "cu128", "cuda": "12.8", "archs": CU128_ARCHS},
@@ -228,7 +228,7 @@ def test_the_flake_reports_the_recipe_with_its_defaults_filled_in(env, test_flak
 
     got = nix_json(env, "eval", f"{test_flake}#{FDL}.recipe", *overrides(prefetch(env, EXAMPLE), recipe))
 
-    assert got == {"contract": 1, "libtorch": "cu128", "cwd": ".", "build": None, "bin": "train"}
+    assert got == {"contract": 2, "libtorch": "cu128", "cwd": ".", "build": None, "bin": "train"}
 
 
 # --- builds -----------------------------------------------------------------

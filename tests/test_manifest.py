@@ -86,8 +86,8 @@ def test_a_published_manifest_outranks_the_boxs_own_recipe():
     recipe = merge(box, parse(FULL), URL)
     assert (recipe.bin, recipe.cwd, recipe.build) == ("train", "crates/train", "cargo build --release")
     assert recipe.args == ("--epochs", "3") and recipe.run_id == "5f0c2a9e8d7b6a5f4e3d2c1b0a998877"
-    assert recipe.flake_input("cu128", 1) == {
-        "contract": 1,
+    assert recipe.flake_input("cu128", 2) == {
+        "contract": 2,
         "libtorch": "cu128",
         "cwd": "crates/train",
         "build": "cargo build --release",

@@ -594,8 +594,8 @@ def test_an_input_fetch_failing_while_the_flake_is_evaluated_says_retry_not_fix_
         flake_nix=f"""{{
   inputs.remote = {{ url = "http://127.0.0.1:{reset_server}/remote.tar.gz"; flake = false; }};
   outputs = {{ self, remote }}: {{
-    legacyPackages.x86_64-linux.fdl = {{ contract = 1; variants = {{ }}; }};
-    legacyPackages.aarch64-linux.fdl = {{ contract = 1; variants = {{ }}; }};
+    legacyPackages.x86_64-linux.fdl = {{ contract = 2; variants = {{ }}; }};
+    legacyPackages.aarch64-linux.fdl = {{ contract = 2; variants = {{ }}; }};
   }};
 }}
 """

@@ -46,7 +46,7 @@ def overrides(env: dict[str, str], tree: Path, recipe_dir: Path, **recipe: objec
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
     recipe_dir.mkdir(parents=True, exist_ok=True)
-    (recipe_dir / "recipe.json").write_text(json.dumps({"contract": 1, "libtorch": "cpu", **recipe}))
+    (recipe_dir / "recipe.json").write_text(json.dumps({"contract": 2, "libtorch": "cpu", **recipe}))
     return [
         "--no-write-lock-file",
         *("--override-input", "source", f"path:{found['storePath']}?narHash={found['hash']}"),

@@ -150,10 +150,10 @@ def test_as_root_a_state_directory_in_a_sticky_directory_is_fine_when_it_is_root
 def test_the_recipe_is_written_whole_alone_in_its_directory(tmp_path):
     state_dir = tmp_path / "state"
     state_dir.mkdir()
-    got = outputs.write_recipe(str(state_dir), {"bin": "train", "contract": 1})
+    got = outputs.write_recipe(str(state_dir), {"bin": "train", "contract": 2})
     assert got == str(state_dir / "recipe")
     assert sorted(os.listdir(state_dir / "recipe")) == ["recipe.json"]
-    assert json.loads((state_dir / "recipe" / "recipe.json").read_text()) == {"bin": "train", "contract": 1}
+    assert json.loads((state_dir / "recipe" / "recipe.json").read_text()) == {"bin": "train", "contract": 2}
     # Nothing else left in the state directory: the temporary file was renamed.
     assert sorted(os.listdir(state_dir)) == ["recipe"]
 

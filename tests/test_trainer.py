@@ -56,7 +56,7 @@ def prefetch(env: dict[str, str], tree: Path) -> str:
 
 def overrides(env: dict[str, str], tree: Path, directory: Path, **recipe: object) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "recipe.json").write_text(json.dumps({"contract": 1, **recipe}))
+    (directory / "recipe.json").write_text(json.dumps({"contract": 2, **recipe}))
     return [
         "--no-write-lock-file",
         *("--override-input", "source", prefetch(env, tree)),

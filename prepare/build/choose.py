@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from prepare.gpu.devices import Gpus
 
 # The version of nix/CONTRACT.md this fdl-prepare speaks.
-CONTRACT = 1
+CONTRACT = 2
 
 
 @dataclass(frozen=True)
