@@ -180,24 +180,6 @@ def _swap_link(dir_fd: int, name: str, target: str, user: Owner | None) -> None:
         raise
 
 
-def _write_owned(dir_fd: int, name: str, data: bytes, user: Owner) -> None:
-    tmp = f".{name}.{os.urandom(8).hex()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
-    try:
-        try:
-            os.write(fd, data)
-            if user.uid is not None:
-                os.fchown(fd, user.uid, user.gid if user.gid is not None else -1)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-
-
 class _Refused(Exception):
     """A directory on the way is not one to write in."""
 
@@ -253,7 +235,8 @@ def _active(user: Owner, variant: str, libtorch: str, notes: list[str]) -> None:
                 fds.append(_enter(fds[-1], name, user))
             _swap_link(fds[-1], variant, libtorch, user)
             before = _read_small(fds[-2], ACTIVE)
-            _write_owned(fds[-2], ACTIVE, f"{OURS}/{variant}\n".encode(), user)
+            owner = (user.uid, user.gid if user.gid is not None else -1) if user.uid is not None else None
+            state_dir.write_at(fds[-2], ACTIVE, f"{OURS}/{variant}\n".encode(), owner=owner)
         except _Refused as why:
             notes.append(
                 f"libtorch/.active not written under {home}: {why}. Set FLODL_HOME for both units to a directory "

@@ -27,6 +27,10 @@ REGISTRY = Path("/usr/share/cargo/registry")
 CARGO = "/usr/bin/cargo"
 # Debian's packages of the crates fdl-shim-sys and the run need.
 PACKAGED = ("cc", "itoa")
+# What cc needs where Debian's is newer (trixie's cc 1.2 depends on shlex,
+# and on jobserver and libc for its parallel feature); bookworm's 1.0.73
+# needs none. librust-cc-dev brings them in as its own dependencies.
+THEIR_DEPENDENCIES = ("shlex", "jobserver", "libc")
 
 
 def missing() -> str | None:
@@ -56,9 +60,10 @@ def make_source(dest: Path) -> Path:
     scratch = dest.parent / f".cargo-{dest.name}"
     vendor = scratch / "vendor"
     vendor.mkdir(parents=True)
-    for name in PACKAGED:
-        found = sorted(REGISTRY.glob(f"{name}-[0-9]*"))[-1]
-        shutil.copytree(found, vendor / found.name)
+    for name in PACKAGED + THEIR_DEPENDENCIES:
+        versions = sorted(REGISTRY.glob(f"{name}-[0-9]*"))
+        if versions:
+            shutil.copytree(versions[-1], vendor / versions[-1].name)
     for own in FLAKE_REGISTRY.iterdir():
         shutil.copytree(own, vendor / own.name)
         (vendor / own.name / ".cargo-checksum.json").write_text(json.dumps({"package": _digest(own), "files": {}}))

@@ -3,12 +3,14 @@ sources in temp git repositories, every fault triggered for real."""
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -978,10 +980,13 @@ let
     builder = "/bin/sh";
     args = [ "-c" script ];
   };
-  # Killed as the OOM killer kills: SIGKILL, from outside the build's own code.
-  first = step "oom-killed-first" "echo first started; /bin/sleep 2; kill -9 $$";
+  # Killed as the OOM killer kills: SIGKILL, from outside the build (the
+  # test, by the sleep's unique length): inside the sandbox the builder is
+  # its PID namespace's init, which no signal from within can kill.
+  # /usr/bin/sleep: the sandbox lends /usr and /bin/sh, not /bin (merged /usr).
+  first = step "oom-killed-first" "echo first started; exec /usr/bin/sleep 611.5";
   # Still running when the first dies: Nix stops it, and its activity ends first.
-  sibling = step "sibling-nix-stopped" "echo sibling started; /bin/sleep 60; echo > $out";
+  sibling = step "sibling-nix-stopped" "echo sibling started; /usr/bin/sleep 60; echo > $out";
 in
 {
   killed = {
@@ -1005,8 +1010,27 @@ def test_a_flake_build_killed_by_a_signal_is_transient_and_names_the_build_that_
     # Two builds side by side, so there is a sibling for Nix to stop.
     monkeypatch.setenv("NIX_CONFIG", nix_env["NIX_CONFIG"] + "max-jobs = 2\n")
     flake = make_flake(extra_nix=KILLED_WITH_A_SIBLING)
+    stop = threading.Event()
+
+    def kill_the_first_once_both_run() -> None:
+        while not stop.is_set():
+            first = procs_with("sleep 611.5")
+            if first and procs_with("sleep 60"):
+                time.sleep(0.5)
+                for pid, _ in first:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_the_first_once_both_run, daemon=True)
+    killer.start()
     start = time.monotonic()
-    fail = expect_fail(spec(flake, state_dir, libtorch="killed", cpu_only=False))
+    try:
+        fail = expect_fail(spec(flake, state_dir, libtorch="killed", cpu_only=False))
+    finally:
+        stop.set()
+        killer.join(timeout=10)
     assert time.monotonic() - start < 50
     assert (fail.reason, fail.permanent) == ("nix.build-killed", False), fail.message
     assert "signal 9" in fail.message
@@ -1014,4 +1038,4 @@ def test_a_flake_build_killed_by_a_signal_is_transient_and_names_the_build_that_
     assert "oom-killed-first" in fix and "sibling-nix-stopped" not in fix
     assert "last lines of the oom-killed-first build log:\n  first started" in said
     assert "oom" in fix.lower() and "retries" in fix
-    assert not procs_left("/bin/sleep 60")
+    assert not procs_left("/usr/bin/sleep 60")

@@ -42,8 +42,10 @@ SSHFS_DEFAULTS = (
 
 
 @dataclass(frozen=True)
-class Source:
-    """A parsed `data_source`. `port` None leaves it to ssh (22 or ssh_config)."""
+class SshTree:
+    """A directory on a host reached over ssh: what sshfs mounts (a
+    `data_source`) and rsync pulls (an `rsync://` training source). `port`
+    None leaves it to ssh (22 or ssh_config)."""
 
     user: str | None
     host: str
@@ -52,11 +54,17 @@ class Source:
 
     @property
     def remote(self) -> str:
-        """What sshfs takes as its first argument, and what the kernel then
-        lists as the mount's source in mountinfo."""
+        """`[user@]host:/path` (an IPv6 host in brackets): what sshfs and
+        rsync take, and what the kernel then lists as a mount's source in
+        mountinfo."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         user = f"{self.user}@" if self.user else ""
         return f"{user}{host}:{self.path}"
+
+
+@dataclass(frozen=True)
+class Source(SshTree):
+    """A parsed `data_source`."""
 
     @property
     def url(self) -> str:

@@ -311,11 +311,20 @@ def recipe_strays(path: str, state_fd: int) -> None:
         )
 
 
-def write_at(directory: int, name: str, data: bytes, *, tmp_dir: int | None = None, mode: int = 0o644) -> None:
+def write_at(
+    directory: int,
+    name: str,
+    data: bytes,
+    *,
+    tmp_dir: int | None = None,
+    mode: int = 0o644,
+    owner: tuple[int, int] | None = None,
+) -> None:
     """Replace the file `name` in the directory open at `directory` with
     `data`, whole: written under a random name (in `tmp_dir`, default the
     same directory) opened with O_EXCL | O_NOFOLLOW, synced, renamed into
-    place. On any error the temporary file is gone and the OSError raised."""
+    place, given to `owner` (uid, gid) first when one is named. On any
+    error the temporary file is gone and the OSError raised."""
     where = directory if tmp_dir is None else tmp_dir
     tmp = f".{name}.{os.urandom(8).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=where)
@@ -324,6 +333,8 @@ def write_at(directory: int, name: str, data: bytes, *, tmp_dir: int | None = No
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
+            if owner is not None:
+                os.fchown(fd, *owner)
             os.fsync(fd)
         finally:
             os.close(fd)

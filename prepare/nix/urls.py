@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
+from prepare.data.url import SshTree
 from prepare.fail import Fail
 from prepare.host import redact
 
@@ -30,19 +31,8 @@ _GLOB = re.compile(r"[*?\[\]]")
 
 
 @dataclass(frozen=True)
-class RsyncTarget:
+class RsyncTarget(SshTree):
     """`rsync://[user@]host[:port]:/abs/path`, parsed: a tree pulled over ssh."""
-
-    user: str | None
-    host: str
-    port: int | None
-    path: str
-
-    @property
-    def remote(self) -> str:
-        """rsync's `[user@]host:/path` (an IPv6 host in brackets)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.user + '@' if self.user else ''}{host}:{self.path}"
 
 
 @dataclass(frozen=True)
