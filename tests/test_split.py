@@ -180,7 +180,9 @@ def test_a_redial_after_a_one_line_change_reuses_the_dependencies_and_compiles_o
     deps = "fdl-test-training-deps-cpu.drv"
     training = "fdl-test-training-cpu.drv"
     # The same dependency derivation, not built again; only the crate's.
-    assert second[deps] == first[deps]
+    # (Nix 2.26 and later add when a result was built: not compared.)
+    same = ("drvPath", "outputs")
+    assert {k: second[deps][k] for k in same} == {k: first[deps][k] for k in same}
     assert built == [second[training]["drvPath"]]
     shown = nix(env, "log", second[training]["drvPath"])
     log = re.sub(r"\x1b\[[0-9;]*m", "", shown.stdout + shown.stderr)
