@@ -1045,7 +1045,7 @@ def test_a_mount_lock_root_made_cannot_be_opened_or_held_by_another_user(tmp_pat
     path = data.lock_path(point)
     # Root takes it and lets go, as a root prepare's mount step does.
     with data._mount_lock(point, 1.0):
-        pass
+        assert os.path.isfile(path)
     try:
         where = os.path.dirname(path)
         assert stat.S_IMODE(os.stat(where).st_mode) == 0o700 and os.stat(where).st_uid == 0
