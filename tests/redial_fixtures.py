@@ -19,7 +19,13 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 HERE = Path(__file__).resolve().parent / "redial"
 FLAKE_REGISTRY = Path(__file__).resolve().parent / "flake" / "registry"
@@ -27,10 +33,6 @@ REGISTRY = Path("/usr/share/cargo/registry")
 CARGO = "/usr/bin/cargo"
 # Debian's packages of the crates fdl-shim-sys and the run need.
 PACKAGED = ("cc", "itoa")
-# What cc needs where Debian's is newer (trixie's cc 1.2 depends on shlex,
-# and on jobserver and libc for its parallel feature); bookworm's 1.0.73
-# needs none. librust-cc-dev brings them in as its own dependencies.
-THEIR_DEPENDENCIES = ("shlex", "jobserver", "libc")
 
 
 def missing() -> str | None:
@@ -41,6 +43,27 @@ def missing() -> str | None:
         if not any(REGISTRY.glob(f"{name}-[0-9]*")):
             return f"Debian's librust-{name}-dev is not installed (scripts/setup installs it)"
     return None
+
+
+def _with_dependencies(names: tuple[str, ...]) -> list[Path]:
+    """The registry's newest copy of each crate in `names` and of every crate
+    they depend on (optional ones too) that the registry has: what a newer
+    Debian's cc needs differs by release (trixie's 1.2.19 wants shlex,
+    forky's 1.2.60 find-msvc-tools as well; bookworm's 1.0.73 none), and
+    librust-cc-dev installs exactly those."""
+    found: dict[str, Path] = {}
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        versions = sorted(REGISTRY.glob(f"{name}-[0-9]*"))
+        if name in found or not versions:
+            continue
+        found[name] = versions[-1]
+        manifest = tomllib.loads((versions[-1] / "Cargo.toml").read_text())
+        tables = [manifest.get("dependencies", {})]
+        tables += [t.get("dependencies", {}) for t in manifest.get("target", {}).values()]
+        todo += [dep for table in tables for dep in table]
+    return list(found.values())
 
 
 def _digest(tree: Path) -> str:
@@ -60,10 +83,8 @@ def make_source(dest: Path) -> Path:
     scratch = dest.parent / f".cargo-{dest.name}"
     vendor = scratch / "vendor"
     vendor.mkdir(parents=True)
-    for name in PACKAGED + THEIR_DEPENDENCIES:
-        versions = sorted(REGISTRY.glob(f"{name}-[0-9]*"))
-        if versions:
-            shutil.copytree(versions[-1], vendor / versions[-1].name)
+    for found in _with_dependencies(PACKAGED):
+        shutil.copytree(found, vendor / found.name)
     for own in FLAKE_REGISTRY.iterdir():
         shutil.copytree(own, vendor / own.name)
         (vendor / own.name / ".cargo-checksum.json").write_text(json.dumps({"package": _digest(own), "files": {}}))
