@@ -208,8 +208,10 @@ let
     # The headers' paths the C++ compiler wrote into the binary name the
     # build root; without this it, and libtorch's headers behind it, would
     # be part of the binary's closure (nix/training-env.nix).
+    # Likewise the vendored crates' directory, whose sources' paths a newer
+    # rustc writes into panic locations (Debian testing's does; 12's not).
     if [ -n "''${fdlRoot:-}" ]; then
-      /usr/bin/python3 -I -S -c "$removeReferences" "$out/bin/$binName" "$fdlRoot"
+      /usr/bin/python3 -I -S -c "$removeReferences" "$out/bin/$binName" "$fdlRoot" ''${fdlVendor:+"$fdlVendor"}
     fi
   '';
 
