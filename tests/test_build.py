@@ -409,13 +409,15 @@ def test_a_full_build_disk_during_the_build_is_permanent_naming_that_disk_not_th
 def test_a_build_past_its_timeout_is_transient(nix_env, test_flake, state_dir, git_source):
     from dataclasses import replace
 
-    src = git_source(trainer(build="sleep 30"))
+    # A length no other process on the box sleeps: the check below is by name.
+    marker = f"30.{os.getpid()}1"
+    src = git_source(trainer(build=f"sleep {marker}"))
     start = time.monotonic()
     fail = expect_fail(replace(spec(test_flake, state_dir, src.url), build_timeout_s=2))
     assert time.monotonic() - start < 25
     assert not fail.permanent
     assert "timed out" in fail.message and "--build-timeout" in fail.message
-    assert not procs_left("sleep 30")
+    assert not procs_left(f"sleep {marker}")
 
 
 def test_a_fixed_output_hash_mismatch_is_permanent(nix_env, make_flake, state_dir):
