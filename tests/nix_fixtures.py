@@ -336,6 +336,11 @@ def require_cuda_wheels() -> None:
     )
     assert done.returncode == 0, done.stderr
     missing = [path for path in json.loads(done.stdout) if not valid_path(path)]
+    if missing and os.environ.get("FDL_PREPARE_NO_CUDA_WHEELS"):
+        pytest.skip(
+            f"FDL_PREPARE_NO_CUDA_WHEELS is set, so scripts/setup fetched none of the cu128 wheels ({len(missing)} "
+            "missing from the Nix store): the CUDA build is proven where they are (CI's own machine)"
+        )
     if missing:
         pytest.skip(
             f"{len(missing)} of the cu128 wheels are not in the Nix store (first: {missing[0]}): run scripts/setup "
