@@ -62,8 +62,8 @@ def training_user(plan: Plan) -> str | None:
 
 def owner(name: str | None) -> Owner:
     """The training user resolved: as root, `name` from the password
-    database (never root); None, or not root, this process's own user,
-    whose files these are anyway."""
+    database (never root, an unknown user or a Nix build user); None, or
+    not root, this process's own user, whose files these are anyway."""
     from prepare.build.rundir import Owner
 
     if name is None or os.geteuid() != 0:
@@ -72,23 +72,11 @@ def owner(name: str | None) -> Owner:
         except KeyError:
             me = f"uid {os.geteuid()}"
         return Owner(me, None, None)
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        raise Fail(
-            "config.invalid",
-            f"user = {name!r}, the user the training runs as, is not a user of this box: the run's directory "
-            "and the hand-off to `fdl join` are that user's. Fix: set user in [join] (--user) to the "
-            "unprivileged user `fdl join` runs as, or create it",
-        ) from None
-    if entry.pw_uid == 0 or entry.pw_gid == 0:
-        raise Fail(
-            "config.invalid",
-            f"user = {name!r} is root (uid {entry.pw_uid}, gid {entry.pw_gid}): the training source's code "
-            "must never run as root, nor get root's directories. Fix: set user in [join] (--user) to "
-            "the unprivileged user `fdl join` runs as",
-        )
-    return Owner(name, entry.pw_uid, entry.pw_gid)
+    # Refused as the plan refuses `user` (prepare.host.training_user).
+    from prepare.host.training_user import lookup
+
+    found = lookup(name)
+    return Owner(name, found.uid, found.gid)
 
 
 def cuda_ordinals(gpus: Gpus, indices: tuple[int, ...]) -> tuple[int, ...]:

@@ -42,6 +42,7 @@ its home and its environment.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -61,6 +62,24 @@ DYNAMIC_UIDS = (60600, 60699)
 # Nix's build users' group (its default, and NixOS's): a smoke run as one
 # of them could write into a build running now.
 NIX_BUILD_GROUP = "nixbld"
+_NIX_BUILD_USER = re.compile(r"nixbld\d*")
+
+
+def is_nix_build_user(name: str, gid: int) -> bool:
+    """Whether `name` (primary group `gid`) is one of Nix's build users: by
+    the name Debian's and NixOS's setup give them, or by membership of the
+    build group. The daemon runs other people's builds as them."""
+    import grp
+
+    if _NIX_BUILD_USER.fullmatch(name):
+        return True
+    try:
+        builders = grp.getgrnam(NIX_BUILD_GROUP)
+    except KeyError:
+        return False
+    return gid == builders.gr_gid or name in builders.gr_mem
+
+
 # Supplementary groups the GPU device nodes need, where they exist.
 GPU_GROUPS = ("render", "video")
 # What a training run needs of the caller's environment, and nothing else.
@@ -145,7 +164,6 @@ class Confinement:
 def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -> Confinement:
     """Resolve `user` (as root) and make the run's home. Raises a permanent
     Fail for a user that does not exist or is root. The caller must `leave`."""
-    import grp
     import pwd
 
     from prepare.fail import Fail
@@ -184,11 +202,7 @@ def enter(user: str, environ: dict[str, str] | os._Environ[str] | None = None) -
             f"smoke_user = {user!r} is root (uid {entry.pw_uid}, gid {entry.pw_gid}): the smoke run executes the "
             f"training source's code, which must never run as root. Fix: {fix}",
         )
-    try:
-        builders = grp.getgrnam(NIX_BUILD_GROUP)
-    except KeyError:
-        builders = None
-    if builders is not None and (entry.pw_gid == builders.gr_gid or user in builders.gr_mem):
+    if is_nix_build_user(user, entry.pw_gid):
         raise Fail(
             "config.invalid",
             f"smoke_user = {user!r} is one of Nix's build users (group {NIX_BUILD_GROUP}): a smoke run as it could "

@@ -19,15 +19,13 @@ whatever it owns a build can read and change).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 
 from prepare.fail import Fail
+from prepare.host.confine import NIX_BUILD_GROUP, is_nix_build_user
 from prepare.spec import PrepareSpec
 
 # The group Nix's daemon builds as (build-users-group), and its users' names.
-NIX_BUILD_GROUP = "nixbld"
-_NIX_BUILD_USER = re.compile(r"nixbld\d*")
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,6 @@ def training_user(spec: PrepareSpec) -> TrainingUser | None:
 
 def lookup(name: str, where: str = "") -> TrainingUser:
     """`name` as a TrainingUser, or the Fail `training_user` describes."""
-    import grp
     import pwd
 
     fix = (
@@ -83,13 +80,7 @@ def lookup(name: str, where: str = "") -> TrainingUser:
             f"{said} is root (uid {entry.pw_uid}, gid {entry.pw_gid}): the training user runs the training source's "
             f"code, which must never run as root. Fix: {fix}",
         )
-    try:
-        builders = grp.getgrnam(NIX_BUILD_GROUP)
-    except KeyError:
-        builders = None
-    if _NIX_BUILD_USER.fullmatch(name) or (
-        builders is not None and (entry.pw_gid == builders.gr_gid or name in builders.gr_mem)
-    ):
+    if is_nix_build_user(name, entry.pw_gid):
         raise Fail(
             "config.invalid",
             f"{said} is a Nix build user (group {NIX_BUILD_GROUP}): the Nix daemon runs other people's builds as it, "
